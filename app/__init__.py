@@ -1,0 +1,1 @@
+"""dflash appliance: train DFlash speculative-decoding drafters reproducibly."""

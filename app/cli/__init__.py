@@ -1,0 +1,44 @@
+"""The `dflash` command: one subcommand per stage of the flow.
+
+Exit codes: 0 ok, 1 the job failed, 2 bad usage or bad input (a one-line message naming what).
+Stage modules are imported by their subcommand only, so `dflash --help` stays fast (no torch import).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from app.cli import config_cmd
+from app.errors import UserError
+
+cli = typer.Typer(
+    name="dflash",
+    help="Train DFlash speculative-decoding drafters reproducibly: config, doctor, train, eval, export.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+cli.add_typer(config_cmd.group, name="config")
+
+
+def main() -> None:
+    """Console-script entry point: maps bad input to exit 2 with one line, never a traceback."""
+    try:
+        cli(standalone_mode=False)
+    except UserError as error:
+        print(f"dflash: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    except typer.Abort:
+        print("dflash: aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as error:  # click usage errors carry their own exit code (2)
+        import click
+
+        if isinstance(error, click.ClickException):
+            error.show()
+            sys.exit(error.exit_code)
+        raise

@@ -1,0 +1,66 @@
+"""`dflash config show|schema`: the resolved config of a run, and every field with its doc."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from app.config import RunConfig, load_config
+
+group = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
+
+
+@group.command("show")
+def show(
+    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML-like text.")] = False,
+) -> None:
+    """Print the fully resolved config (file + overrides + defaults)."""
+    resolved = load_config(config, overrides or [])
+    data = resolved.model_dump(mode="json")
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    for section, fields in data.items():
+        print(f"[{section}]")
+        for name, value in fields.items():
+            print(f"{name} = {json.dumps(value)}")
+        print()
+
+
+@group.command("schema")
+def schema(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON schema.")] = False,
+) -> None:
+    """Print every config field with its type, default and documentation."""
+    if as_json:
+        print(json.dumps(RunConfig.model_json_schema(), indent=2))
+        return
+    console = Console(width=160)
+    for section, field in RunConfig.model_fields.items():
+        model = field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
+        table = Table(title=f"[{section}]  {field.description or ''}", title_justify="left", show_lines=False)
+        table.add_column("key", style="bold")
+        table.add_column("type")
+        table.add_column("default")
+        table.add_column("meaning")
+        for name, sub in model.model_fields.items():
+            table.add_row(name, _type_name(sub.annotation), _default(sub), sub.description or "")
+        console.print(table)
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _default(field: Any) -> str:
+    if field.is_required():
+        return "(required)"
+    return json.dumps(field.get_default(call_default_factory=True), default=str)

@@ -1,0 +1,209 @@
+"""Load a run config from TOML or YAML plus `section.field=value` overrides, with one-line errors.
+
+Errors name the file, the dotted key and what was expected (`train.lr: must be > 0, got -1`);
+unknown keys get a close-match suggestion. Everything raises `ConfigError`, which the CLI turns
+into exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from app.config.schema import BUILTIN_TARGETS, RunConfig, TargetConfig
+from app.errors import UserError
+
+
+class ConfigError(UserError):
+    """A config file, key or override is wrong; the message is one line and names it."""
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read `path`, apply `overrides` in order, validate everything, resolve derived defaults."""
+    path = Path(path)
+    raw = _read_file(path)
+    for override in overrides:
+        _apply_override(raw, override)
+    return validate_config(raw, source=str(path))
+
+
+def validate_config(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
+    """Validate a raw mapping into a `RunConfig` and check what needs the target's shape."""
+    _reject_unknown_keys(raw, RunConfig, prefix="", source=source)
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(f"{source}: {_describe(error)}") from None
+    _check_against_target(config, source)
+    return config
+
+
+def target_architecture(target: TargetConfig) -> dict[str, Any] | None:
+    """The target's HF config as a dict, without loading weights; None when the path has none yet."""
+    if target.architecture is not None:
+        return target.architecture
+    if target.builtin is not None:
+        return BUILTIN_TARGETS[target.builtin]
+    config_file = Path(target.path) / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{config_file}: not a readable JSON model config ({error})") from None
+
+
+def text_architecture(architecture: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs (Qwen3.5/3.6) keep the language model's fields under `text_config`."""
+    return architecture.get("text_config", architecture)
+
+
+def default_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """`count` layer ids spread evenly from 1 to num_target_layers - 3 (64, 5 -> [1, 16, 31, 46, 61])."""
+    first, last = 1, max(1, num_target_layers - 3)
+    if count == 1:
+        return [first]
+    return [round(first + i * (last - first) / (count - 1)) for i in range(count)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Published loss decays for common block sizes; large blocks start near block_size / 2.5."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, block_size / 2.5)
+
+
+def _check_against_target(config: RunConfig, source: str) -> None:
+    architecture = target_architecture(config.target)
+    if architecture is None:
+        return  # checked again when the target is loaded
+    text = text_architecture(architecture)
+    num_layers = text.get("num_hidden_layers")
+    vocab_size = text.get("vocab_size")
+    drafter = config.drafter
+    if num_layers is not None and drafter.target_layer_ids is not None:
+        bad = [i for i in drafter.target_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ConfigError(
+                f"{source}: drafter.target_layer_ids: must be in [0, {num_layers}) for a {num_layers}-layer "
+                f"target, got {bad}"
+            )
+    if vocab_size is not None and drafter.mask_token_id >= vocab_size:
+        raise ConfigError(
+            f"{source}: drafter.mask_token_id: must be a row of the target embedding (< {vocab_size}), "
+            f"got {drafter.mask_token_id}"
+        )
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            raw = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            raw = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"{path}: expected a .toml, .yaml or .yml config file")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as error:
+        detail = str(error).splitlines()[0]
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {detail}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return raw
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    """`section.field=value`: the value is parsed as a TOML value when it is one, else kept as text."""
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r}: expected section.field=value")
+    parts = key.strip().split(".")
+    node: Any = raw
+    model: type[BaseModel] | None = RunConfig
+    for depth, part in enumerate(parts[:-1]):
+        _check_known(part, model, ".".join(parts[:depth]), source=f"override {override!r}")
+        model = _section_model(model, part)
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
+    _check_known(parts[-1], model, ".".join(parts[:-1]), source=f"override {override!r}")
+    node[parts[-1]] = _parse_value(text.strip())
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _section_model(model: type[BaseModel] | None, name: str) -> type[BaseModel] | None:
+    if model is None:
+        return None
+    annotation = model.model_fields[name].annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _check_known(name: str, model: type[BaseModel] | None, prefix: str, source: str) -> None:
+    if model is None or name in model.model_fields:
+        return
+    dotted = f"{prefix}.{name}" if prefix else name
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+    raise ConfigError(f"{source}: unknown key {dotted!r}{hint}")
+
+
+def _reject_unknown_keys(raw: Any, model: type[BaseModel], prefix: str, source: str) -> None:
+    """Walk the raw mapping first so an unknown key is reported with a suggestion, not pydantic's text."""
+    if not isinstance(raw, dict):
+        return
+    for name, value in raw.items():
+        _check_known(name, model, prefix, source)
+        section = _section_model(model, name)
+        if section is not None:
+            _reject_unknown_keys(value, section, f"{prefix}.{name}" if prefix else name, source)
+
+
+_EXPECTATIONS = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+    "literal_error": "must be one of {expected}",
+    "missing": "is required",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be a table/mapping",
+    "model_type": "must be a table/mapping",
+    "tuple_type": "must be a list",
+}
+
+
+def _describe(error: ValidationError) -> str:
+    """The first error as `dotted.key: expectation, got value`."""
+    first = error.errors(include_url=False)[0]
+    key = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "value_error":
+        # our own validators already write `key: message`
+        return str(first["ctx"]["error"])
+    template = _EXPECTATIONS.get(first["type"])
+    expectation = (
+        template.format(**first.get("ctx", {})) if template else first["msg"][0].lower() + first["msg"][1:]
+    )
+    if first["type"] == "missing":
+        return f"{key}: {expectation}"
+    return f"{key}: {expectation}, got {first['input']!r}"

@@ -1,0 +1,431 @@
+"""Typed configuration of a run: one pydantic model per component, unknown keys are errors.
+
+Every field carries a docstring; `dflash config schema` prints them. Cross-field rules that need
+more than one section live on `RunConfig` so that the message can name the exact key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+BUILTIN_TARGETS: dict[str, dict[str, Any]] = {
+    # The CPU demo's target: small enough to train in a minute on 2 cores, deep enough for 4 taps.
+    "tiny-lm": {
+        "model_type": "qwen3",
+        "vocab_size": 2048,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    }
+}
+"""Architectures of the built-in targets (`target.builtin`)."""
+
+
+class Section(BaseModel):
+    """Base of every config section: strict keys, docstrings as field descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class TargetConfig(Section):
+    """The frozen target LLM whose hidden states feed the drafter."""
+
+    path: str | None = None
+    """Local directory of a Hugging Face causal LM (config.json + safetensors). Nothing is downloaded."""
+
+    architecture: dict[str, Any] | None = None
+    """Instead of `path`: a Hugging Face config (must contain `model_type`, e.g. "qwen3" or "qwen3_5_text")
+    for a random-weight target of that shape. Used by benchmarks and tests; throughput does not
+    depend on weight values."""
+
+    builtin: Literal["tiny-lm"] | None = None
+    """Instead of `path`: a built-in target. "tiny-lm" is a small Qwen3 trained on text that ships
+    with Python, built once on first use and cached (the CPU demo's target)."""
+
+    tokenizer: str | None = None
+    """Local tokenizer directory; defaults to `path` (or to the built-in target's tokenizer)."""
+
+    seed: int = 0
+    """Seed of the random-weight target (`architecture`); fixed so every rank builds the same model."""
+
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Dtype of the frozen target's weights on GPU. On CPU the target always runs in fp32."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TargetConfig:
+        given = [name for name in ("path", "architecture", "builtin") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"exactly one of target.path, target.architecture, target.builtin must be set, got {given or 'none'}"
+            )
+        if self.architecture is not None and "model_type" not in self.architecture:
+            raise ValueError('target.architecture: must contain `model_type` (e.g. "qwen3")')
+        return self
+
+
+class DrafterConfig(Section):
+    """The DFlash block-diffusion drafter (DESIGN.md section 4)."""
+
+    num_layers: int = Field(5, ge=1)
+    """Number of drafter decoder layers (N). Also the default number of target layers K read."""
+
+    target_layer_ids: list[int] | None = None
+    """Target layers whose outputs feed the drafter (0-based decoder layer index; HF hidden_states[i+1]).
+    Default: `num_layers` ids spread evenly from 1 to num_target_layers - 3, rounded."""
+
+    block_size: int = Field(16, ge=2)
+    """Tokens per block: the anchor plus block_size - 1 masked slots the drafter predicts."""
+
+    mask_token_id: int = Field(..., ge=0)
+    """Token id of the MASK slots; must be a real row of the target embedding (Qwen3: 151669; Qwen3.5/3.6: 248070)."""
+
+    intermediate_size: int | None = Field(None, ge=1)
+    """SwiGLU FFN width; default: the target's."""
+
+    num_attention_heads: int | None = Field(None, ge=1)
+    """Query heads; default: the target's."""
+
+    num_key_value_heads: int | None = Field(None, ge=1)
+    """Key/value heads (GQA); default: the target's."""
+
+    head_dim: int | None = Field(None, ge=1)
+    """Per-head dimension; default: the target's."""
+
+    rope_theta: float | None = Field(None, gt=0)
+    """RoPE base; default: the target's."""
+
+    rms_norm_eps: float | None = Field(None, gt=0)
+    """RMSNorm epsilon; default: the target's."""
+
+    sliding_window: int | None = Field(None, ge=1)
+    """Context window of sliding-window layers, in tokens; None: every layer sees the full context."""
+
+    sliding_window_layers: list[int] = []
+    """Drafter layer indices that use `sliding_window` (causal inside the block)."""
+
+    @model_validator(mode="after")
+    def _sliding_layers(self) -> DrafterConfig:
+        if self.sliding_window_layers and self.sliding_window is None:
+            raise ValueError("drafter.sliding_window_layers: needs drafter.sliding_window to be set")
+        bad = [i for i in self.sliding_window_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"drafter.sliding_window_layers: must be in [0, {self.num_layers}), got {bad}")
+        return self
+
+
+class DataConfig(Section):
+    """Conversations in, length-bucketed target batches and fixed-shape drafter rows out."""
+
+    train_files: list[str] = []
+    """Training conversations: jsonl / json / parquet / arrow files, or directories saved with
+    `datasets.save_to_disk`. OpenAI `messages` or ShareGPT `conversations` records."""
+
+    eval_files: list[str] = []
+    """Held-out conversations whose prompts measure acceptance length (tau). Empty: hold out
+    `eval_holdout` records of the training files."""
+
+    eval_holdout: int = Field(16, ge=0)
+    """Records held out of the training files for eval when `eval_files` is empty."""
+
+    format: Literal["auto", "messages", "sharegpt"] = "auto"
+    """Record format; auto detects `messages` or `conversations` per file."""
+
+    max_length: int = Field(4096, ge=16)
+    """Longest tokenized conversation kept; longer ones are truncated to this many tokens."""
+
+    token_budget: int = Field(16384, ge=128)
+    """Context tokens per drafter row (exact, padded) and per target batch (rows x padded length, at most).
+    Must be a multiple of 128 (flex_attention block size)."""
+
+    max_batch_size: int = Field(64, ge=1)
+    """Most sequences in one target batch."""
+
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra arguments for the tokenizer's chat template (e.g. {enable_thinking = true})."""
+
+    cache_dir: str | None = None
+    """Where tokenized datasets are cached (keyed by data + tokenizer + config). Default: ~/.cache/dflash/tokenized."""
+
+    @model_validator(mode="after")
+    def _budget_multiple(self) -> DataConfig:
+        if self.token_budget % 128:
+            raise ValueError(f"data.token_budget: must be a multiple of 128, got {self.token_budget}")
+        if self.max_length > self.token_budget:
+            raise ValueError(
+                f"data.max_length: must be <= data.token_budget ({self.token_budget}), got {self.max_length}"
+            )
+        return self
+
+
+class TrainConfig(Section):
+    """Optimisation of the drafter (target ranks hold no optimizer)."""
+
+    epochs: int = Field(6, ge=1)
+    """Full passes over the training data. Training never stops early."""
+
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (smoke tests, benchmarks); None: run all epochs."""
+
+    anchors: int = Field(512, ge=1)
+    """Block slots per drafter row (anchor positions sampled per row; unused slots are masked)."""
+
+    gamma: float | None = Field(None, gt=0)
+    """Decay of the per-slot loss weight exp(-(k-1)/gamma). Default by block_size: 7 (16), 5 (10), 4 (8),
+    else block_size / 2.5 (measure for large blocks)."""
+
+    lr: float = Field(6e-4, gt=0)
+    """Peak learning rate."""
+
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of `lr`."""
+
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """Decay after warmup: cosine, or warmup-stable-decay (linear decay over the last `decay_ratio`)."""
+
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)
+    """Fraction of all steps spent in linear warmup."""
+
+    decay_ratio: float = Field(0.2, gt=0, le=1)
+    """WSD only: fraction of all steps spent decaying."""
+
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+
+    grad_clip: float = Field(1.0, gt=0)
+    """Gradient-norm clip."""
+
+    precision: Literal["bf16", "fp32"] = "bf16"
+    """Autocast dtype of the drafter on GPU (weights and optimizer stay fp32). CPU runs fp32."""
+
+    loss_chunk_size: int = Field(128, ge=1)
+    """Anchors per LM-head + cross-entropy chunk; peak memory scales with this, not with `anchors`.
+    Reduce it if you OOM in the loss."""
+
+    feature_noise_std: float = Field(0.0, ge=0)
+    """Std of Gaussian noise added to the context features (augmentation; 0 = off)."""
+
+    feature_noise_decay_steps: int = Field(0, ge=0)
+    """Steps over which the noise std decays linearly to 0; 0: constant."""
+
+    seed: int = 0
+    """Seed of data order, anchor sampling, noise and drafter init."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where a colocated run trains; auto picks CUDA when present."""
+
+    output_dir: str = "runs/default"
+    """Run directory: checkpoints, exports, status.json, logs."""
+
+    save_every: int = Field(500, ge=1)
+    """Optimizer steps between checkpoints (one is also written at the end and on SIGTERM)."""
+
+    keep_last: int = Field(3, ge=1)
+    """Checkpoints kept; older ones are deleted once a newer one is complete."""
+
+    eval_every: int = Field(1000, ge=0)
+    """Steps between acceptance-length evals; 0 disables periodic eval."""
+
+    eval_prompts: int = Field(8, ge=1)
+    """Held-out prompts per eval."""
+
+    eval_max_new_tokens: int = Field(64, ge=1)
+    """Tokens generated per eval prompt."""
+
+
+class TopologyConfig(Section):
+    """How the ranks launched by torchrun split into target and drafter roles."""
+
+    target_ranks: int = Field(0, ge=0)
+    """Ranks that run the frozen target and stream features. 0: colocated (every rank runs both)."""
+
+    drafter_ranks: int = Field(1, ge=1)
+    """Ranks that train the drafter (DDP over this group)."""
+
+    nnodes: int = Field(1, ge=1)
+    """Nodes in the job (torchrun --nnodes)."""
+
+    nproc_per_node: int = Field(1, ge=1)
+    """Processes (GPUs) per node (torchrun --nproc-per-node)."""
+
+    prefetch_batches: int = Field(4, ge=1)
+    """`q_pre`: target batches prepared ahead per target rank."""
+
+    feature_queue: int = Field(4, ge=1)
+    """`q_hs`: feature batches received and waiting per drafter rank (backpressure beyond)."""
+
+    recv_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for a peer before the job is declared hung and brought down."""
+
+    @model_validator(mode="after")
+    def _ranks_add_up(self) -> TopologyConfig:
+        world = self.nnodes * self.nproc_per_node
+        wanted = self.drafter_ranks if self.target_ranks == 0 else self.target_ranks + self.drafter_ranks
+        if wanted != world:
+            raise ValueError(
+                f"topology: target_ranks + drafter_ranks must equal nnodes x nproc_per_node = {world}, "
+                f"got {self.target_ranks} + {self.drafter_ranks}"
+                if self.target_ranks
+                else f"topology: colocated drafter_ranks must equal nnodes x nproc_per_node = {world}, "
+                f"got {self.drafter_ranks}"
+            )
+        return self
+
+
+class CompileConfig(Section):
+    """torch.compile and the baked compile cache (DESIGN.md section 5)."""
+
+    mode: Literal["auto", "on", "off"] = "auto"
+    """auto: compile on CUDA, eager on CPU (compiled flex backward fails on CPU). `off` on CUDA is refused."""
+
+    cache_dir: str = "compile_cache"
+    """Directory holding the keyed compile caches built by `dflash build-cache`."""
+
+    inductor_dir: str | None = None
+    """Writable inductor cache directory (never /tmp). Default: ~/.cache/dflash/inductor."""
+
+    on_cache_miss: Literal["warn", "abort"] = "warn"
+    """What a compile-cache miss or bypass after warm-up does when a matching cache was loaded."""
+
+    fail_on_recompile: bool = True
+    """After warm-up, a recompile stops the run with the guard's reason."""
+
+    slow_step_threshold: float = Field(0.15, gt=0, lt=1)
+    """Report the run as degraded when steady-state step time is this fraction slower than baseline."""
+
+
+class TelemetryConfig(Section):
+    """What a run reports and where."""
+
+    log_every: int = Field(10, ge=1)
+    """Optimizer steps between log lines."""
+
+    status_every: int = Field(10, ge=1)
+    """Optimizer steps between atomic status.json updates."""
+
+    wandb: Literal["auto", "offline", "online", "disabled"] = "auto"
+    """auto: online when WANDB_API_KEY is set, else offline (sync later with `wandb sync`)."""
+
+    wandb_project: str = "dflash"
+    """wandb project name."""
+
+    run_name: str | None = None
+    """Run name in logs and wandb; default: the output directory's name."""
+
+    memory_window_steps: int = Field(50, ge=2)
+    """Steps over which GPU reserved memory must stay flat after warm-up."""
+
+    memory_growth_threshold: float = Field(0.05, gt=0)
+    """Reserved-memory growth over the window (fraction) that raises a health event."""
+
+
+class StorageConfig(Section):
+    """Optional sync of checkpoints and exports to S3-compatible storage."""
+
+    s3_uri: str | None = None
+    """s3://bucket/prefix to mirror checkpoints and exports to; None: local only."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, Ceph, ...); None: AWS. Credentials come only from the environment
+    or the standard AWS config."""
+
+    multipart_chunk_mb: int = Field(64, ge=5)
+    """Multipart upload part size in MiB."""
+
+    max_retries: int = Field(5, ge=0)
+    """Retries per upload before it is left for the next sync round."""
+
+    @model_validator(mode="after")
+    def _s3_scheme(self) -> StorageConfig:
+        if self.s3_uri is not None and not self.s3_uri.startswith("s3://"):
+            raise ValueError(f"storage.s3_uri: must start with s3://, got {self.s3_uri!r}")
+        return self
+
+
+class DatagenConfig(Section):
+    """Regeneration of assistant turns by the target served with SGLang (its own container)."""
+
+    prompts: list[str] = []
+    """Prompt files: jsonl / parquet with OpenAI `messages` or ShareGPT `conversations` records."""
+
+    output_dir: str = "data/regenerated"
+    """Where parquet shards, the rejects file and the resume state go."""
+
+    servers: list[str] = ["http://127.0.0.1:30000"]
+    """Base URLs of OpenAI-compatible servers (SGLang); several share the load."""
+
+    model: str | None = None
+    """Model id sent to the servers; None: the first id their /v1/models lists."""
+
+    concurrency: int = Field(32, ge=1)
+    """Requests in flight per server."""
+
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling threshold."""
+
+    max_tokens: int = Field(2048, ge=1)
+    """Most tokens generated per assistant turn."""
+
+    reasoning: Literal["keep", "drop", "separate"] = "keep"
+    """Thinking content: keep it in the response, drop it, or store it in a separate field."""
+
+    request_timeout_s: float = Field(600.0, gt=0)
+    """Per-request timeout."""
+
+    max_retries: int = Field(5, ge=0)
+    """Retries per request (exponential backoff) on 5xx, timeouts and connection errors."""
+
+    shard_size: int = Field(1000, ge=1)
+    """Records per parquet shard."""
+
+
+class RunConfig(Section):
+    """A whole run: every section, validated together."""
+
+    target: TargetConfig
+    """The frozen target model."""
+
+    drafter: DrafterConfig
+    """The drafter architecture and training signal."""
+
+    data: DataConfig = DataConfig()
+    """Data loading and batching."""
+
+    train: TrainConfig = TrainConfig()
+    """Optimisation."""
+
+    topology: TopologyConfig = TopologyConfig()
+    """Process roles under torchrun."""
+
+    compile: CompileConfig = CompileConfig()
+    """Compilation and the compile cache."""
+
+    telemetry: TelemetryConfig = TelemetryConfig()
+    """Logging, wandb, status and health."""
+
+    storage: StorageConfig = StorageConfig()
+    """S3 sync."""
+
+    datagen: DatagenConfig = DatagenConfig()
+    """Data regeneration with the target."""
+
+    @model_validator(mode="after")
+    def _anchors_fit(self) -> RunConfig:
+        if self.train.anchors > self.data.token_budget:
+            raise ValueError(
+                f"train.anchors: must be <= data.token_budget ({self.data.token_budget}), got {self.train.anchors}"
+            )
+        return self

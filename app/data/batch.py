@@ -1,0 +1,73 @@
+"""The two batch shapes of the flow: padded target batches in, fixed-shape drafter rows out.
+
+One target batch becomes exactly one drafter row: its real tokens (at most `token_budget`) are
+packed end to end and padded to `token_budget`, so every drafter step has the same shapes
+(one compile, no recompiles, flat memory). The target side may be padded and length-bucketed;
+only real tokens' features travel to the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class TargetBatch:
+    """Sequences for one target forward, right-padded to the longest one in the batch."""
+
+    input_ids: torch.Tensor
+    """[b, L] int64 token ids; padding is `pad_token_id`."""
+
+    attention_mask: torch.Tensor
+    """[b, L] int64, 1 on real tokens."""
+
+    loss_mask: torch.Tensor
+    """[b, L] bool, True on supervised (assistant) tokens."""
+
+    sample_ids: torch.Tensor
+    """[b] int64 index of each sequence in the tokenized dataset (epoch accounting, debugging)."""
+
+    def to(self, device: torch.device | str) -> TargetBatch:
+        return TargetBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+@dataclass
+class DrafterRow:
+    """One packed, fixed-shape drafter input: `T = token_budget` context tokens and `A = anchors` blocks."""
+
+    input_ids: torch.Tensor
+    """[T] int64 context token ids, sequences end to end, then padding."""
+
+    position_ids: torch.Tensor
+    """[T] int64 position of each token inside its own sequence (0 on padding)."""
+
+    document_ids: torch.Tensor
+    """[T] int32 index of the sequence each token belongs to; -1 on padding."""
+
+    loss_mask: torch.Tensor
+    """[T] bool, True on supervised tokens (never on padding)."""
+
+    anchor_positions: torch.Tensor
+    """[A] int64 row index of each block's anchor token, sorted; 0 on unused slots."""
+
+    anchor_valid: torch.Tensor
+    """[A] bool, False on unused slots (they see nothing and carry no loss)."""
+
+    def to(self, device: torch.device | str) -> DrafterRow:
+        return DrafterRow(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+@dataclass
+class FeatureBatch:
+    """What crosses the target -> drafter seam: a drafter row and the target's features for it."""
+
+    row: DrafterRow
+    """Packed row metadata (computed on the data side, independent of the target)."""
+
+    features: torch.Tensor
+    """[T, K*H] target hidden states of the K configured layers, concatenated; zeros on padding."""
+
+    def to(self, device: torch.device | str) -> FeatureBatch:
+        return FeatureBatch(row=self.row.to(device), features=self.features.to(device))
