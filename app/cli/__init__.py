@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from app.cli import config_cmd
+from app.cli import bench_cmd, config_cmd, datagen_cmd, doctor_cmd
 from app.errors import UserError
 
 cli = typer.Typer(
@@ -21,12 +21,16 @@ cli = typer.Typer(
     add_completion=False,
 )
 cli.add_typer(config_cmd.group, name="config")
+cli.add_typer(bench_cmd.group, name="bench")
+cli.command("datagen")(datagen_cmd.datagen)
+cli.command("doctor")(doctor_cmd.doctor)
 
 
 def main() -> None:
     """Console-script entry point: maps bad input to exit 2 with one line, never a traceback."""
     try:
-        cli(standalone_mode=False)
+        # Without standalone mode click returns a command's `typer.Exit(code)` instead of raising it.
+        exit_code = cli(standalone_mode=False)
     except UserError as error:
         print(f"dflash: error: {error}", file=sys.stderr)
         sys.exit(2)
@@ -38,7 +42,11 @@ def main() -> None:
     except Exception as error:  # click usage errors carry their own exit code (2)
         import click
 
-        if isinstance(error, click.ClickException):
+        # typer >= 0.29 vendors click: its usage errors derive from TyperException, not click's classes
+        usage_errors = (click.ClickException, typer.exceptions.TyperException)
+        if isinstance(error, usage_errors) and hasattr(error, "show"):
             error.show()
             sys.exit(error.exit_code)
         raise
+    if isinstance(exit_code, int) and exit_code != 0:
+        sys.exit(exit_code)

@@ -154,6 +154,14 @@ class DataConfig(Section):
     cache_dir: str | None = None
     """Where tokenized datasets are cached (keyed by data + tokenizer + config). Default: ~/.cache/dflash/tokenized."""
 
+    num_proc: int | None = Field(None, ge=1)
+    """Processes that tokenize on the first load (later loads hit the cache). None: one per CPU core
+    (at most 16) for sources of 4096+ records, a single process for smaller ones."""
+
+    bucket_window: int = Field(4096, ge=1)
+    """Samples shuffled together and then sorted by length before being cut into target batches.
+    Larger windows pad less; smaller ones mix lengths more across batches."""
+
     @model_validator(mode="after")
     def _budget_multiple(self) -> DataConfig:
         if self.token_budget % 128:
@@ -161,6 +169,14 @@ class DataConfig(Section):
         if self.max_length > self.token_budget:
             raise ValueError(
                 f"data.max_length: must be <= data.token_budget ({self.token_budget}), got {self.max_length}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _bucket_window_holds_a_batch(self) -> DataConfig:
+        if self.bucket_window < self.max_batch_size:
+            raise ValueError(
+                f"data.bucket_window: must be >= data.max_batch_size ({self.max_batch_size}), got {self.bucket_window}"
             )
         return self
 
@@ -353,13 +369,19 @@ class StorageConfig(Section):
 
 
 class DatagenConfig(Section):
-    """Regeneration of assistant turns by the target served with SGLang (its own container)."""
+    """Regeneration of assistant turns by the target served with SGLang (its own container).
+
+    `dflash datagen` sends every prompt to OpenAI-compatible servers and writes the target's own
+    responses as parquet shards of OpenAI `messages` records that `data.train_files` can read.
+    """
 
     prompts: list[str] = []
-    """Prompt files: jsonl / parquet with OpenAI `messages` or ShareGPT `conversations` records."""
+    """Prompt files: jsonl / json / parquet with OpenAI `messages` or ShareGPT `conversations` records.
+    A record's id is its `id` field, else a hash of its prompt turns; the id makes resume exact."""
 
     output_dir: str = "data/regenerated"
-    """Where parquet shards, the rejects file and the resume state go."""
+    """Where the parquet shards (`part-*.parquet`) go; the rejects file, manifest and lock live in
+    its hidden `.datagen/` folder so that a directory load of the shards sees only parquet."""
 
     servers: list[str] = ["http://127.0.0.1:30000"]
     """Base URLs of OpenAI-compatible servers (SGLang); several share the load."""
@@ -379,8 +401,17 @@ class DatagenConfig(Section):
     max_tokens: int = Field(2048, ge=1)
     """Most tokens generated per assistant turn."""
 
+    seed: int | None = None
+    """Base seed: each request sends a seed derived from (seed, record id, turn), so sampled responses
+    are reproducible where the server honours `seed`. None: no seed is sent."""
+
+    chat_template_kwargs: dict[str, Any] = {}
+    """Sent with every request as `chat_template_kwargs` (SGLang, vLLM), e.g. {enable_thinking = true}."""
+
     reasoning: Literal["keep", "drop", "separate"] = "keep"
-    """Thinking content: keep it in the response, drop it, or store it in a separate field."""
+    """Thinking content (the response's `reasoning_content`, or a `<think>...</think>` block in its text):
+    keep it as the assistant message's `reasoning_content`, drop it, or store it in the separate
+    `reasoning_content` column (one entry per message) leaving the messages without it."""
 
     request_timeout_s: float = Field(600.0, gt=0)
     """Per-request timeout."""
@@ -388,8 +419,33 @@ class DatagenConfig(Section):
     max_retries: int = Field(5, ge=0)
     """Retries per request (exponential backoff) on 5xx, timeouts and connection errors."""
 
+    retry_backoff_s: float = Field(1.0, gt=0)
+    """First retry delay; doubles per retry (capped at 60 s), times a random jitter in [0.5, 1.5)."""
+
+    probe_interval_s: float = Field(10.0, gt=0)
+    """Seconds between health probes (GET /v1/models) of a server that left the rotation."""
+
+    outage_timeout_s: float = Field(300.0, gt=0)
+    """Longest time every server may be unreachable before the run stops (records in flight are
+    recorded as failures, the rest stay pending; a rerun resumes)."""
+
     shard_size: int = Field(1000, ge=1)
     """Records per parquet shard."""
+
+    flush_interval_s: float = Field(600.0, gt=0)
+    """Longest time completed records wait in memory before they are written as a (smaller) shard;
+    bounds what a hard kill can cost."""
+
+    @model_validator(mode="after")
+    def _server_urls(self) -> DatagenConfig:
+        if not self.servers:
+            raise ValueError("datagen.servers: must list at least one server URL")
+        bad = [url for url in self.servers if not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"datagen.servers: URLs must start with http:// or https://, got {bad}")
+        if len(set(self.servers)) != len(self.servers):
+            raise ValueError(f"datagen.servers: lists a server twice: {self.servers}")
+        return self
 
 
 class RunConfig(Section):

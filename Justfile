@@ -1,0 +1,29 @@
+# dflash appliance recipes. `just` lists them. Everything goes through ./uvw (the pinned uv).
+
+config := "configs/tiny.toml"
+
+# list the recipes
+default:
+    @just --list
+
+# create the locked environment (.venv) from uv.lock
+setup:
+    ./uvw sync --locked
+
+# run the test suite (the README's test command)
+test *args:
+    ./uvw run pytest {{args}}
+
+# lint and format check
+lint:
+    ./uvw run ruff check app tests
+    ./uvw run ruff format --check app tests
+    ./uvw lock --check
+
+# print this machine's environment fingerprint (add --against RUN_DIR to diff)
+doctor *args:
+    ./uvw run dflash doctor {{args}}
+
+# print a resolved config: just config configs/qwen3-8b-h200.toml train.lr=1e-4
+config file=config *overrides:
+    ./uvw run dflash config show {{file}} {{overrides}}

@@ -1,0 +1,184 @@
+"""Run config: files, overrides, one-line errors naming the key, cross-field rules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.config import ConfigError, default_gamma, default_target_layer_ids, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+
+MINIMAL = """
+[target]
+builtin = "tiny-lm"
+
+[drafter]
+mask_token_id = 3
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path: Path) -> None:
+    config = load_config(path)
+    assert config.data.token_budget % 128 == 0
+
+
+def test_production_config_matches_the_incident() -> None:
+    config = load_config(ROOT / "configs" / "qwen3.6-27b.toml")
+    assert config.drafter.target_layer_ids == [1, 16, 31, 46, 61]
+    assert (config.train.anchors, config.drafter.block_size) == (1024, 32)
+    assert (config.data.token_budget, config.data.max_batch_size) == (49152, 64)
+    assert config.drafter.mask_token_id == 248070
+    assert (config.topology.target_ranks, config.topology.drafter_ranks) == (5, 3)
+    assert config.train.precision == "bf16" and config.train.epochs == 6
+
+
+def test_defaults_are_the_documented_ones(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.train.epochs == 6 and config.train.precision == "bf16"
+    assert config.train.max_steps is None  # no early stopping
+    assert config.topology.target_ranks == 0  # colocated
+
+
+def test_yaml_config(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "target: {builtin: tiny-lm}\ndrafter: {mask_token_id: 3, block_size: 8}\n", "run.yaml"
+    )
+    assert load_config(path).drafter.block_size == 8
+
+
+def test_unknown_key_suggests_close_match(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "\n[train]\nepoch = 2\n")
+    with pytest.raises(ConfigError, match=r"run\.toml: unknown key 'train\.epoch'; did you mean 'epochs'\?"):
+        load_config(path)
+
+
+def test_unknown_section_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'trian'; did you mean 'train'"):
+        load_config(write(tmp_path, MINIMAL + "\n[trian]\nlr = 1\n"))
+
+
+def test_wrong_type_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"run\.toml: train\.epochs: must be an integer, got 'six'"):
+        load_config(write(tmp_path, MINIMAL + '\n[train]\nepochs = "six"\n'))
+
+
+def test_bound_violation_reads_like_the_rule(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train\.lr: must be > 0(\.0)?, got -1$"):
+        load_config(write(tmp_path, MINIMAL), ["train.lr=-1"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["drafter.block_size=1"], r"drafter\.block_size: must be >= 2, got 1"),
+        (["train.anchors=0"], r"train\.anchors: must be >= 1, got 0"),
+        (["data.token_budget=1000"], r"data\.token_budget: must be a multiple of 128, got 1000"),
+        (["drafter.target_layer_ids=[1, 9]"], r"drafter\.target_layer_ids: must be in \[0, 6\) .* got \[9\]"),
+        (["drafter.mask_token_id=4096"], r"drafter\.mask_token_id: must be a row of the target embedding"),
+        (
+            ["topology.target_ranks=5", "topology.drafter_ranks=3"],
+            r"target_ranks \+ drafter_ranks must equal",
+        ),
+        (["target.path=/models/x"], r"exactly one of target\.path, target\.architecture, target\.builtin"),
+        (
+            ["train.anchors=4096", "data.token_budget=2048", "data.max_length=512"],
+            r"train\.anchors: must be <=",
+        ),
+    ],
+)
+def test_cross_field_rules(tmp_path: Path, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, MINIMAL), overrides)
+
+
+def test_overrides_are_typed(tmp_path: Path) -> None:
+    config = load_config(
+        write(tmp_path, MINIMAL),
+        ["train.lr=1e-4", "train.epochs=2", "drafter.target_layer_ids=[1,2]", "train.output_dir=runs/x",
+         "compile.fail_on_recompile=false", "topology.nproc_per_node=2", "topology.drafter_ranks=2"],
+    )  # fmt: skip
+    assert config.train.lr == 1e-4 and config.train.epochs == 2
+    assert config.drafter.target_layer_ids == [1, 2]
+    assert config.train.output_dir == "runs/x"
+    assert config.compile.fail_on_recompile is False
+
+
+def test_override_into_a_mapping_field(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, MINIMAL), ["data.chat_template_kwargs.enable_thinking=true"])
+    assert config.data.chat_template_kwargs == {"enable_thinking": True}
+
+
+@pytest.mark.parametrize("override", ["train.lr", "=3", "nosuch.field=1", "train.nosuch=1"])
+def test_bad_overrides_are_rejected(tmp_path: Path, override: str) -> None:
+    with pytest.raises(ConfigError, match=r"override"):
+        load_config(write(tmp_path, MINIMAL), [override])
+
+
+def test_missing_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.toml: config file not found"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"bad\.toml: not valid TOML"):
+        load_config(write(tmp_path, "[target\nbuiltin=", "bad.toml"))
+    with pytest.raises(ConfigError, match=r"expected a \.toml, \.yaml or \.yml"):
+        load_config(write(tmp_path, MINIMAL, "run.ini"))
+
+
+def test_target_path_shape_is_checked_from_its_config_json(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        '{"model_type": "qwen3_5", "text_config": {"num_hidden_layers": 8, "vocab_size": 500}}'
+    )
+    text = f'[target]\npath = "{model_dir}"\n[drafter]\nmask_token_id = 3\ntarget_layer_ids = [1, 8]\n'
+    with pytest.raises(ConfigError, match=r"must be in \[0, 8\) for a 8-layer target, got \[8\]"):
+        load_config(write(tmp_path, text))
+
+
+def test_default_layer_ids_and_gamma() -> None:
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(6, 1) == [1]
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    assert 10 <= default_gamma(32) <= 14
+
+
+def dflash(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
+    shown = dflash("config", "show", "configs/tiny.toml", "train.lr=0.5")
+    assert shown.returncode == 0, shown.stderr
+    assert "[train]" in shown.stdout and "lr = 0.5" in shown.stdout
+
+    bad = dflash("config", "show", "configs/tiny.toml", "train.lr=-1")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "dflash: error: configs/tiny.toml: train.lr: must be > 0.0, got -1"
+    ]
+
+    usage = dflash("config", "show")
+    assert usage.returncode == 2
+
+
+def test_cli_config_schema_documents_every_field() -> None:
+    from app.config.schema import RunConfig
+
+    result = dflash("config", "schema", "--json")
+    assert result.returncode == 0
+    assert '"token_budget"' in result.stdout
+    for section in RunConfig.model_fields.values():
+        for name, field in section.annotation.model_fields.items():  # type: ignore[union-attr]
+            assert field.description, f"{section.annotation.__name__}.{name} has no docstring"
