@@ -1,0 +1,68 @@
+"""Where the project lives: its root (pyproject.toml + uv.lock), the lock's hash, its git revision."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+PROJECT_NAME = "dflash-appliance"
+GIT_TIMEOUT_S = 5.0
+
+
+def find_project_root(starts: list[Path] | None = None) -> Path | None:
+    """The nearest directory above each start whose pyproject.toml is this project's.
+
+    Starts from the package itself (the code that actually runs), then from the working directory
+    (a non-editable install in an image lives in site-packages, far from the checkout). Another
+    project's pyproject.toml on the way up is skipped, not taken.
+    """
+    for start in starts if starts is not None else [Path(__file__).resolve().parent, Path.cwd()]:
+        for directory in [start, *start.parents]:
+            if _is_our_pyproject(directory / "pyproject.toml"):
+                return directory
+    return None
+
+
+def _is_our_pyproject(path: Path) -> bool:
+    try:
+        project = tomllib.loads(path.read_text(encoding="utf-8")).get("project", {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+    return isinstance(project, dict) and project.get("name") == PROJECT_NAME
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def git_revision(root: Path | None) -> dict:
+    """HEAD's commit and whether tracked files differ from it; nulls outside a git checkout."""
+    if root is None or not (root / ".git").exists() or shutil.which("git") is None:
+        return {"revision": None, "dirty": None}
+    head = _git(root, "rev-parse", "HEAD")
+    status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {
+        "revision": head.strip() if head else None,
+        "dirty": None if status is None else bool(status.strip()),
+    }
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
