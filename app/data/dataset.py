@@ -1,0 +1,499 @@
+"""Conversation files -> a tokenized, filtered dataset, built once and cached.
+
+Sources are local only: jsonl / json / parquet / arrow files, directories of such shards, or
+directories written by `datasets.save_to_disk`. Every record is normalised (`formats`), rendered
+with the target's chat template and masked (`tokenize`); malformed records and conversations with
+too little supervision are counted and skipped, never fatal. The result lives under
+`data.cache_dir/<key>/`, where the key hashes the files (path, size, mtime), the tokenizer's content
+and the config fields that shape tokenization, so a second load is a memory-mapped read.
+
+This step needs only the tokenizer: a dataset that is empty after filtering fails here, before any
+model is loaded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+import numpy as np
+import pyarrow.parquet as pq
+from datasets.exceptions import DatasetGenerationError
+from transformers import PreTrainedTokenizerBase
+
+from app.config.schema import DataConfig, RunConfig
+from app.data.formats import (
+    Conversation,
+    MalformedRecord,
+    RecordFormat,
+    detect_format,
+    normalize_record,
+    require_format_column,
+)
+from app.data.tokenize import ChatTokenizer, TokenizedSample
+from app.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PIPELINE_VERSION = 1
+"""Part of the cache key: bump it when tokenization semantics change so old caches stop matching."""
+
+DEFAULT_CACHE_DIR = "~/.cache/dflash/tokenized"
+MAX_EXAMPLES = 5
+"""Malformed-record reasons kept in the summary (the counts are always complete)."""
+
+SUMMARY_FILE = "summary.json"
+JSON_LINE_COLUMN = "_json_line"
+"""Raw-text column used when a json file has lines that are not valid JSON."""
+
+SourceKind = Literal["json", "parquet", "arrow", "disk"]
+SHARD_KINDS: tuple[tuple[str, SourceKind], ...] = (
+    (".parquet", "parquet"),
+    (".arrow", "arrow"),
+    (".jsonl", "json"),
+    (".jsonl.gz", "json"),
+    (".json", "json"),
+    (".json.gz", "json"),
+)
+
+TOKENIZED_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("bool")),
+        "length": datasets.Value("int32"),
+        "supervised": datasets.Value("int32"),
+        "truncated": datasets.Value("bool"),
+        "status": datasets.Value("string"),
+        "reason": datasets.Value("string"),
+    }
+)
+BOOKKEEPING_COLUMNS = ["truncated", "status", "reason"]
+
+
+@dataclass
+class Source:
+    """Files read as one `datasets.Dataset`."""
+
+    kind: SourceKind
+    files: list[Path]
+    label: str
+    """How messages name it: the file or directory the user listed."""
+
+
+@dataclass
+class DataSummary:
+    """What loading did to the data: every record is accounted for."""
+
+    files: list[str]
+    min_supervised_tokens: int
+    records: int = 0
+    malformed: int = 0
+    malformed_examples: list[str] = field(default_factory=list)
+    too_short: int = 0
+    kept: int = 0
+    truncated: int = 0
+    tokens: int = 0
+    supervised_tokens: int = 0
+    cache_hit: bool = False
+    cache_path: str = ""
+
+    def describe(self) -> str:
+        origin = "cache hit" if self.cache_hit else "tokenized"
+        lines = [
+            f"data ({origin}, {self.cache_path}): {self.records} records read, {self.malformed} malformed, "
+            f"{self.too_short} with < {self.min_supervised_tokens} supervised tokens, {self.kept} kept "
+            f"({self.truncated} truncated); {self.tokens} tokens, {self.supervised_tokens} supervised"
+        ]
+        lines += [f"  malformed: {example}" for example in self.malformed_examples]
+        return "\n".join(lines)
+
+
+@dataclass
+class RecordLocator:
+    """Maps a row of a multi-file source back to (file, record index) for messages."""
+
+    files: list[str]
+    starts: list[int]
+
+    def __call__(self, row: int) -> str:
+        file = bisect.bisect_right(self.starts, row) - 1
+        return f"{self.files[file]} record {row - self.starts[file]}"
+
+
+class TokenizedDataset:
+    """Tokenized conversations: `input_ids`, `loss_mask`, `length`, `supervised` per sample."""
+
+    def __init__(self, rows: datasets.Dataset, summary: DataSummary) -> None:
+        self.rows = rows
+        self.summary = summary
+        self.lengths: np.ndarray = rows.with_format("numpy", columns=["length"])[:]["length"].astype(np.int64)
+        self._samples = rows.with_format("numpy", columns=["input_ids", "loss_mask"])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def fetch(self, indices: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(input_ids, loss_mask) of each sample, in the order asked."""
+        columns = self._samples[list(indices)]
+        return list(zip(columns["input_ids"], columns["loss_mask"], strict=True))
+
+    def select(self, indices: Sequence[int]) -> TokenizedDataset:
+        return TokenizedDataset(self.rows.select(indices), self.summary)
+
+
+def load_tokenized(
+    files: Sequence[str],
+    data: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    min_supervised_tokens: int,
+) -> TokenizedDataset:
+    """Tokenize `files` with `tokenizer` (or read the cached result) and keep the trainable samples.
+
+    `min_supervised_tokens` is 2 x drafter.block_size for training: fewer supervised tokens cannot
+    fill a block. Raises `UserError` naming the files and counts when nothing is left.
+    """
+    if not files:
+        raise UserError("data.train_files: no data files given")
+    sources = resolve_sources(files)
+    chat = ChatTokenizer(
+        tokenizer, max_length=data.max_length, chat_template_kwargs=data.chat_template_kwargs
+    )
+    root = Path(data.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    key = cache_key(sources, tokenizer, data, min_supervised_tokens)
+    final = root / key
+    if (final / SUMMARY_FILE).is_file():
+        summary = DataSummary(**json.loads((final / SUMMARY_FILE).read_text()))
+        summary.cache_hit = True
+        log.info("tokenized data: cache hit at %s (%d samples)", final, summary.kept)
+        return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
+
+    root.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    try:
+        rows, summary = _tokenize_sources(sources, chat, data, min_supervised_tokens, build, key)
+        summary.cache_path = str(final)
+        rows.save_to_disk(str(build / "dataset"))
+        (build / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=1))
+        shutil.rmtree(build / "work")
+        try:
+            os.rename(build, final)
+        except OSError:
+            log.info("tokenized data: another process finished %s first; using it", final)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    log.info("tokenized data: %d of %d records kept, cached at %s", summary.kept, summary.records, final)
+    return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
+
+
+def load_training_data(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase
+) -> tuple[TokenizedDataset, TokenizedDataset]:
+    """(train, eval) datasets of a run: eval from `data.eval_files`, else held out of the training files.
+
+    Training samples need 2 x block_size supervised tokens (fewer cannot fill a block); eval
+    samples only need their prompt and one assistant turn.
+    """
+    data = config.data
+    train = load_tokenized(
+        data.train_files, data, tokenizer, min_supervised_tokens=2 * config.drafter.block_size
+    )
+    if data.eval_files:
+        return train, load_tokenized(data.eval_files, data, tokenizer, min_supervised_tokens=1)
+    return split_holdout(train, data.eval_holdout, config.train.seed)
+
+
+def split_holdout(
+    dataset: TokenizedDataset, count: int, seed: int
+) -> tuple[TokenizedDataset, TokenizedDataset]:
+    """Hold out `count` samples (a seeded choice) for eval; the rest trains."""
+    if count >= len(dataset):
+        raise UserError(
+            f"data.eval_holdout = {count} leaves nothing to train on ({len(dataset)} samples kept); "
+            f"lower it or set data.eval_files"
+        )
+    order = np.random.default_rng(seed % 2**64).permutation(len(dataset))
+    held_out = np.sort(order[:count])
+    train = np.sort(order[count:])
+    return dataset.select(train.tolist()), dataset.select(held_out.tolist())
+
+
+def resolve_sources(files: Sequence[str]) -> list[Source]:
+    """What to read for each configured path; a path that cannot be data is a `UserError`."""
+    sources = []
+    for entry in files:
+        path = Path(entry).expanduser()
+        if not path.exists():
+            raise UserError(f"data file not found: {entry}")
+        if path.is_file():
+            kind = _shard_kind(path)
+            if kind is None:
+                raise UserError(
+                    f"{entry}: unsupported data file (expected .jsonl, .json, .parquet, .arrow "
+                    f"or a directory)"
+                )
+            sources.append(Source(kind, [path], str(path)))
+        elif any((path / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
+            sources.append(Source("disk", [path], str(path)))
+        else:
+            sources += _shard_sources(path)
+    return sources
+
+
+def cache_key(
+    sources: Sequence[Source],
+    tokenizer: PreTrainedTokenizerBase,
+    data: DataConfig,
+    min_supervised_tokens: int,
+) -> str:
+    """Hash of everything that shapes the tokenized result; any change is a cache miss."""
+    files = []
+    for source in sources:
+        for path in source.files:
+            members = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+            for member in members:
+                stat = member.stat()
+                files.append([str(member.resolve()), stat.st_size, stat.st_mtime_ns])
+    identity = {
+        "version": PIPELINE_VERSION,
+        "files": files,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "format": data.format,
+        "max_length": data.max_length,
+        "chat_template_kwargs": data.chat_template_kwargs,
+        "min_supervised_tokens": min_supervised_tokens,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Content hash of the tokenizer: vocabulary, merges, special tokens and chat template."""
+    digest = hashlib.sha256()
+    digest.update(tokenizer.backend_tokenizer.to_str().encode())
+    digest.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    digest.update(json.dumps([tokenizer.pad_token, tokenizer.eos_token]).encode())
+    return digest.hexdigest()
+
+
+def _shard_kind(path: Path) -> SourceKind | None:
+    return next((kind for suffix, kind in SHARD_KINDS if path.name.endswith(suffix)), None)
+
+
+def _shard_sources(directory: Path) -> list[Source]:
+    """A directory of shards: files of one kind only (parquet first), so a side file such as a
+    datagen rejects log next to parquet shards is never read as training data."""
+    shards = sorted(
+        path
+        for path in directory.rglob("*")
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts)
+    )
+    for wanted in ("parquet", "arrow", "json"):
+        chosen = [path for path in shards if _shard_kind(path) == wanted]
+        if not chosen:
+            continue
+        if wanted == "parquet":  # one dataset: datagen writes many small shards of one schema
+            return [Source("parquet", chosen, str(directory))]
+        return [Source(wanted, [path], str(path)) for path in chosen]
+    raise UserError(f"{directory}: no .parquet, .arrow, .jsonl or .json files inside")
+
+
+def _tokenize_sources(
+    sources: list[Source],
+    chat: ChatTokenizer,
+    data: DataConfig,
+    min_supervised_tokens: int,
+    build: Path,
+    key: str,
+) -> tuple[datasets.Dataset, DataSummary]:
+    """Tokenize every source into `build/work` (raw conversions included, so they go with it)."""
+    summary = DataSummary(
+        files=[source.label for source in sources], min_supervised_tokens=min_supervised_tokens
+    )
+    parts = []
+    for number, source in enumerate(sources):
+        raw, fmt, locate = _read_source(source, data.format, build / "work" / "raw")
+        if len(raw) == 0:
+            log.warning("data: %s holds no records", source.label)
+            continue
+        processes = data.num_proc or (min(os.cpu_count() or 1, 16) if len(raw) >= 4096 else 1)
+        tokenized = raw.map(
+            _tokenize_rows,
+            batched=True,
+            batch_size=256,
+            with_indices=True,
+            remove_columns=raw.column_names,
+            features=TOKENIZED_FEATURES,
+            fn_kwargs={"chat": chat, "fmt": fmt, "locate": locate, "min_supervised": min_supervised_tokens},
+            num_proc=processes if processes > 1 else None,
+            cache_file_name=str(build / "work" / f"source-{number}.arrow"),
+            load_from_cache_file=False,
+            new_fingerprint=f"dflash-{key}-{number}",
+            desc=f"tokenizing {source.label}",
+        )
+        parts.append(_account(tokenized, summary))
+    if summary.kept == 0:
+        example = f"; e.g. {summary.malformed_examples[0]}" if summary.malformed_examples else ""
+        raise UserError(
+            f"no trainable conversations in {', '.join(summary.files)}: {summary.records} records read, "
+            f"{summary.malformed} malformed, {summary.too_short} with fewer than {min_supervised_tokens} "
+            f"supervised tokens{example}"
+        )
+    return datasets.concatenate_datasets(parts).remove_columns(BOOKKEEPING_COLUMNS), summary
+
+
+def _read_source(
+    source: Source, format_setting: str, raw_cache: Path
+) -> tuple[datasets.Dataset, RecordFormat, RecordLocator]:
+    """The raw records of a source, its record format and a locator for messages."""
+    locator = RecordLocator([source.label], [0])
+    try:
+        if source.kind == "disk":
+            raw = _single_split(datasets.load_from_disk(str(source.files[0])), source.label)
+        elif source.kind == "json":
+            try:
+                raw = _load(source, raw_cache)
+            # some lines are not JSON (keep the rest, count those), or the file is empty
+            except (DatasetGenerationError, StopIteration):
+                raw = _json_lines(source.files[0])
+        else:
+            raw = _load(source, raw_cache)
+            if source.kind == "parquet":
+                counts = [pq.read_metadata(path).num_rows for path in source.files]
+                locator = RecordLocator(
+                    [str(path) for path in source.files], np.cumsum([0, *counts[:-1]]).tolist()
+                )
+    except UserError:
+        raise
+    except Exception as error:  # the readers raise many types for unreadable files; name the file instead
+        raise UserError(f"{source.label}: cannot read it as {source.kind} data: {error}") from None
+    if len(raw) == 0:
+        return raw, "messages", locator  # nothing to detect; the caller skips it
+    columns = _record_columns(raw)
+    if format_setting == "auto":
+        fmt = detect_format(columns, source.label)
+    else:
+        fmt = format_setting
+        require_format_column(columns, fmt, source.label)
+    return raw, fmt, locator
+
+
+def _load(source: Source, raw_cache: Path) -> datasets.Dataset:
+    return datasets.load_dataset(
+        source.kind, data_files=[str(path) for path in source.files], split="train", cache_dir=str(raw_cache)
+    )
+
+
+def _single_split(loaded: datasets.Dataset | datasets.DatasetDict, label: str) -> datasets.Dataset:
+    if isinstance(loaded, datasets.Dataset):
+        return loaded
+    if "train" in loaded:
+        return loaded["train"]
+    if len(loaded) == 1:
+        return next(iter(loaded.values()))
+    raise UserError(f"{label}: a dataset dict with splits {sorted(loaded)}; expected one split or `train`")
+
+
+def _json_lines(path: Path) -> datasets.Dataset:
+    """Each non-blank line as raw text; `_tokenize_rows` parses them and counts the bad ones.
+
+    Only for files `datasets` cannot parse, so holding the lines in memory is the rare case.
+    """
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as handle:
+        lines = [line for line in handle if line.strip()]
+    return datasets.Dataset.from_dict({JSON_LINE_COLUMN: lines})
+
+
+def _record_columns(raw: datasets.Dataset) -> list[str]:
+    """Column names of a source; for raw json lines, the keys of its first parseable object."""
+    if raw.column_names != [JSON_LINE_COLUMN]:
+        return raw.column_names
+    for line in raw[JSON_LINE_COLUMN]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            return list(record)
+    return []
+
+
+def _tokenize_rows(
+    batch: dict[str, list[Any]],
+    indices: list[int],
+    *,
+    chat: ChatTokenizer,
+    fmt: RecordFormat,
+    locate: RecordLocator,
+    min_supervised: int,
+) -> dict[str, list[Any]]:
+    """`datasets.map` body: raw records -> tokenized rows with a status and, if skipped, a reason."""
+    records = [{column: values[row] for column, values in batch.items()} for row in range(len(indices))]
+    outcomes: list[TokenizedSample | MalformedRecord | None] = []
+    conversations: dict[int, Conversation] = {}
+    for record in records:
+        try:
+            conversations[len(outcomes)] = normalize_record(_parse(record), fmt)
+            outcomes.append(None)
+        except MalformedRecord as error:
+            outcomes.append(error)
+    for position, result in zip(conversations, chat.tokenize_many(list(conversations.values())), strict=True):
+        outcomes[position] = result
+
+    out: dict[str, list[Any]] = {name: [] for name in TOKENIZED_FEATURES}
+    for index, outcome in zip(indices, outcomes, strict=True):
+        sample = outcome if isinstance(outcome, TokenizedSample) else TokenizedSample([], [])
+        supervised = sample.supervised
+        if isinstance(outcome, MalformedRecord):
+            status, reason = "malformed", f"{locate(index)}: {outcome}"
+        elif supervised < min_supervised:
+            status, reason = "too_short", ""
+        else:
+            status, reason = "ok", ""
+        out["input_ids"].append(sample.input_ids if status == "ok" else [])
+        out["loss_mask"].append(sample.loss_mask if status == "ok" else [])
+        out["length"].append(len(sample.input_ids))
+        out["supervised"].append(supervised)
+        out["truncated"].append(sample.truncated)
+        out["status"].append(status)
+        out["reason"].append(reason)
+    return out
+
+
+def _parse(record: dict[str, Any]) -> Any:
+    if list(record) != [JSON_LINE_COLUMN]:
+        return record
+    try:
+        return json.loads(record[JSON_LINE_COLUMN])
+    except json.JSONDecodeError as error:
+        raise MalformedRecord(f"not valid JSON ({error.msg} at column {error.colno})") from None
+
+
+def _account(tokenized: datasets.Dataset, summary: DataSummary) -> datasets.Dataset:
+    """Add a source's counts to the summary and return its kept rows."""
+    columns = tokenized.with_format("numpy", columns=["status", "length", "supervised", "truncated"])[:]
+    status = columns["status"].astype(str)
+    kept = np.flatnonzero(status == "ok")
+    malformed = np.flatnonzero(status == "malformed")
+    summary.records += len(status)
+    summary.malformed += len(malformed)
+    summary.too_short += int((status == "too_short").sum())
+    summary.kept += len(kept)
+    summary.truncated += int(columns["truncated"][kept].sum())
+    summary.tokens += int(columns["length"][kept].sum())
+    summary.supervised_tokens += int(columns["supervised"][kept].sum())
+    room = MAX_EXAMPLES - len(summary.malformed_examples)
+    if room > 0 and len(malformed):
+        summary.malformed_examples += list(tokenized.select(malformed[:room].tolist())["reason"])
+    return tokenized.select(kept.tolist())
