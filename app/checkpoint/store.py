@@ -1,0 +1,161 @@
+"""Atomic, checksummed training checkpoints with keep-last-N and a `latest` pointer.
+
+Layout of a run directory's `checkpoints/`:
+
+    step_000500/
+        model.safetensors     drafter weights (fp32)
+        optimizer.pt          optimizer state
+        state.json            step, epoch, data cursor, scheduler, training signal, metrics
+        rng.pt                torch CPU (+ CUDA) generator states
+        manifest.json         sha256 + size of every file above; written last
+    latest                    name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temp directory and renamed into place only when complete, so
+a crash never leaves a partial `step_*`. On load, the manifest's checksums are verified; a truncated
+or corrupt checkpoint is skipped with a warning and the previous good one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from app.atomic import fsync_tree, write_json_atomic, write_text_atomic
+from app.errors import UserError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+PREFIX = "step_"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped because it is incomplete or corrupt."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: weights, optimizer state, RNG states and the JSON training state."""
+
+    path: Path
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng_state: dict[str, Any]
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    rng_state: dict[str, Any],
+    state: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write `step_<step>/` atomically, point `latest` at it, then prune to `keep_last` checkpoints."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        save_file({name: t.detach().contiguous().cpu() for name, t in model_state.items()}, staging / "model.safetensors")
+        torch.save(optimizer_state, staging / "optimizer.pt")
+        torch.save(rng_state, staging / "rng.pt")
+        (staging / "state.json").write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
+        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(staging.iterdir())}
+        write_json_atomic(staging / MANIFEST, {"step": step, "files": files})
+        fsync_tree(staging)
+        if final.exists():  # a rerun of the same step (e.g. resumed then stopped at once) replaces it
+            shutil.rmtree(final)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    write_text_atomic(root / LATEST, final.name)
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories with a manifest, oldest first (temp directories are never listed)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MANIFEST).is_file())
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file matches the manifest, else the reason it does not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        for name, expected in manifest["files"].items():
+            file = path / name
+            if not file.is_file():
+                return f"{name} is missing"
+            if file.stat().st_size != expected["bytes"]:
+                return f"{name} is truncated ({file.stat().st_size} of {expected['bytes']} bytes)"
+            if _sha256(file) != expected["sha256"]:
+                return f"{name} fails its sha256 checksum"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"unreadable manifest ({error})"
+    return None
+
+
+def load_latest_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:
+    """The newest checkpoint that verifies, falling back past corrupt ones with a warning; None if there is none."""
+    root = checkpoint_root(run_dir)
+    candidates = complete_checkpoints(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        # `latest` wins when it is intact; newer unpointed directories come from an interrupted prune/pointer write
+        candidates = [p for p in candidates if p != named] + ([named] if named in candidates else [])
+    for path in reversed(candidates):
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            warnings.warn(f"checkpoint {path}: {problem}; falling back to the previous one", CheckpointWarning, stacklevel=2)
+            continue
+        return Checkpoint(
+            path=path,
+            model_state=load_file(path / "model.safetensors", device=str(map_location)),
+            optimizer_state=torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True),
+            rng_state=torch.load(path / "rng.pt", map_location="cpu", weights_only=True),
+            state=json.loads((path / "state.json").read_text()),
+        )
+    return None
+
+
+def check_training_signal(saved: dict[str, Any], current: dict[str, Any], source: Path) -> None:
+    """Refuse to resume when anything that defines what the drafter learns has changed."""
+    for field in sorted(set(saved) | set(current)):
+        if saved.get(field) != current.get(field):
+            raise UserError(
+                f"{source}: cannot resume: training signal {field} changed from {saved.get(field)!r} to "
+                f"{current.get(field)!r}; start a new run (new train.output_dir) or restore the old value"
+            )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
