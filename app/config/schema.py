@@ -417,7 +417,8 @@ class DatagenConfig(Section):
     """Per-request timeout."""
 
     max_retries: int = Field(5, ge=0)
-    """Retries per request (exponential backoff) on 5xx, timeouts and connection errors."""
+    """Retries per request (exponential backoff) on 5xx, 429, timeouts, dropped connections and an
+    error object in a 200 response. 4xx and unusable answers fail the record at once."""
 
     retry_backoff_s: float = Field(1.0, gt=0)
     """First retry delay; doubles per retry (capped at 60 s), times a random jitter in [0.5, 1.5)."""
