@@ -19,3 +19,30 @@ def tiny_tokenizer(tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+# --- trainer fixtures: the built-in tiny-lm target and conversations in its chat format ---
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir():
+    """The built-in `tiny-lm` target (trained once per machine, cached under ~/.cache/dflash)."""
+    from app.model.tiny_lm import ensure_tiny_lm
+
+    return ensure_tiny_lm()
+
+
+@pytest.fixture(scope="session")
+def tiny_conversations(tmp_path_factory):
+    """A jsonl of conversations in the tiny target's chat format (OpenAI `messages` records)."""
+    import json
+
+    from app.model.tiny_lm import chat_sample
+    from app.model.tiny_tokenizer import corpus_paragraphs
+
+    path = tmp_path_factory.mktemp("conversations") / "train.jsonl"
+    with open(path, "w") as handle:
+        for paragraph in corpus_paragraphs():
+            if len(paragraph.split()) >= 24:
+                handle.write(json.dumps({"messages": chat_sample(paragraph)}) + "\n")
+    return path

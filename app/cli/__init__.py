@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from app.cli import bench_cmd, config_cmd, datagen_cmd, doctor_cmd
+from app.cli import bench_cmd, config_cmd, datagen_cmd, doctor_cmd, eval_cmd, export_cmd, train_cmd
 from app.errors import UserError
 
 cli = typer.Typer(
@@ -24,6 +24,9 @@ cli.add_typer(config_cmd.group, name="config")
 cli.add_typer(bench_cmd.group, name="bench")
 cli.command("datagen")(datagen_cmd.datagen)
 cli.command("doctor")(doctor_cmd.doctor)
+cli.command("train")(train_cmd.train)
+cli.command("eval")(eval_cmd.evaluate)
+cli.command("export")(export_cmd.export)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""A small byte-level BPE tokenizer with a Qwen3-style chat template, trained on text that ships with Python.
+"""A small byte-level BPE tokenizer with a Qwen3-style chat template, trained on text from the locked torch package.
 
 It is the built-in `tiny-lm` target's tokenizer (the CPU demo) and the tokenizer every test uses:
 nothing is downloaded. Its chat format is Qwen3's (`<|im_start|>role\\n...<|im_end|>`, `<think>`
@@ -53,36 +53,45 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Stdlib modules whose docstrings make the corpus: plain English prose, present in every CPython >= 3.11.
+# Modules whose docstrings make the corpus: English prose about tensors and training. They come from the
+# torch build pinned in uv.lock, so the corpus (and the demo target trained on it) is the same on every
+# machine and Python version that installs the lock.
 CORPUS_MODULES = (
-    "argparse", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal", "difflib",
-    "email", "enum", "fractions", "functools", "heapq", "http.client", "inspect", "json", "logging",
-    "os", "pathlib", "pickle", "random", "re", "shutil", "socket", "statistics", "string", "subprocess",
-    "tarfile", "textwrap", "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile",
+    "torch.nn.modules.linear", "torch.nn.modules.conv", "torch.nn.modules.activation", "torch.nn.modules.loss",
+    "torch.nn.modules.normalization", "torch.nn.modules.rnn", "torch.nn.modules.transformer",
+    "torch.nn.modules.pooling", "torch.nn.modules.sparse", "torch.nn.modules.dropout", "torch.nn.modules.batchnorm",
+    "torch.optim.adamw", "torch.optim.sgd", "torch.optim.lr_scheduler", "torch.utils.data.dataset",
+    "torch.utils.data.dataloader", "torch.utils.data.sampler", "torch.utils.checkpoint", "torch.nn.utils.clip_grad",
+    "torch.serialization", "torch.autograd.function", "torch.random",
 )  # fmt: skip
 
 
 def corpus_paragraphs() -> list[str]:
-    """Docstring paragraphs of `CORPUS_MODULES` and their public members, in a fixed order."""
+    """Prose paragraphs of the docstrings of `CORPUS_MODULES` and their members, in a fixed order."""
     import importlib
 
     paragraphs: list[str] = []
     for name in CORPUS_MODULES:
         module = importlib.import_module(name)
-        objects = [module] + [
-            getattr(module, attr) for attr in sorted(vars(module)) if not attr.startswith("_")
-        ]
-        for obj in objects:
-            doc = inspect.getdoc(obj) if callable(obj) or inspect.ismodule(obj) else None
-            if not doc or (
-                getattr(obj, "__module__", name) not in (name, None) and not inspect.ismodule(obj)
-            ):
-                continue
-            for block in doc.split("\n\n"):
+        members = [getattr(module, attr) for attr in sorted(vars(module)) if not attr.startswith("_")]
+        own_members = [m for m in members if callable(m) and getattr(m, "__module__", None) == name]
+        for obj in [module, *own_members]:
+            for block in (inspect.getdoc(obj) or "").split("\n\n"):
                 text = " ".join(block.split())
-                if len(text) >= 40 and not text.startswith((">>>", "...")):
+                if _is_prose(text):
                     paragraphs.append(text)
     return list(dict.fromkeys(paragraphs))  # de-duplicate, keep order
+
+
+def _is_prose(text: str) -> bool:
+    """Sentences, not code samples, reST directives, argument lists or formulas."""
+    return (
+        len(text) >= 40
+        and not text.startswith((">>>", "...", "..", "Args:", "Example", "Shape:", "Returns:", "Note:"))
+        and text.count("\\") < 2
+        and text.count("=") < 3
+        and text[0].isupper()
+    )
 
 
 def build_tokenizer(vocab_size: int, paragraphs: list[str]) -> PreTrainedTokenizerFast:

@@ -1,0 +1,64 @@
+"""In-process regeneration for the CPU demo: the tiny target answers prompts greedily.
+
+Production regeneration goes through `dflash datagen` and SGLang servers; the demo has no server,
+so the target generates in this process. The output has the same shape as datagen's (parquet
+`messages` records), so `dflash train` reads either.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@torch.no_grad()
+def regenerate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    out_dir: Path,
+    *,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    progress: Callable[[str], None] = print,
+) -> Path:
+    """Greedy responses to `prompts` written as one parquet shard of `messages` records in `out_dir`."""
+    tokenizer.padding_side = "left"  # generation continues from the right edge of every row
+    records = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        conversations = [[{"role": "user", "content": prompt}] for prompt in chunk]
+        encoded = tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+        )
+        output = model.generate(
+            **encoded,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        responses = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+        for prompt, response in zip(chunk, responses, strict=True):
+            records.append(
+                [{"role": "user", "content": prompt}, {"role": "assistant", "content": response.strip()}]
+            )
+        progress(f"regenerated {min(start + batch_size, len(prompts))}/{len(prompts)} conversations")
+    return _write_shard(records, out_dir)
+
+
+def _write_shard(records: list[list[dict[str, str]]], out_dir: Path) -> Path:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    pq.write_table(pa.table({"messages": records}), staging / "shard-00000.parquet")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.rename(staging, out_dir)
+    return out_dir

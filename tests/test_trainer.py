@@ -1,0 +1,174 @@
+"""The colocated trainer on the built-in tiny target: exact resume, refused signal changes, golden loss curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.checkpoint.store import checkpoint_root, complete_checkpoints
+from app.config import load_config
+from app.errors import UserError
+from app.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden" / "tiny_loss_curve.json"
+
+# Small enough for seconds per run on 2 cores, big enough that several batches make an epoch.
+SMALL = [
+    "drafter.num_layers=1",
+    "drafter.block_size=4",
+    "data.token_budget=256",
+    "data.max_length=256",
+    "data.max_batch_size=8",
+    "data.eval_holdout=4",
+    "train.anchors=16",
+    "train.loss_chunk_size=8",
+    "train.eval_every=0",
+    "telemetry.log_every=2",
+]
+
+
+def small_config(data: Path, run_dir: Path, *extra: str):
+    overrides = [*SMALL, f"data.train_files=['{data}']", f"train.output_dir={run_dir}", *extra]
+    return load_config(ROOT / "configs" / "tiny.toml", overrides)
+
+
+def quiet(line: str) -> None:
+    pass
+
+
+def drafter_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in trainer.drafter.state_dict().items()}
+
+
+def test_resume_continues_exactly(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
+    """6 steps straight == 3 steps, a new process-like Trainer resuming, 3 more steps (losses and weights)."""
+    straight = Trainer(small_config(tiny_conversations, tmp_path / "a", "train.max_steps=6"), log=quiet)
+    straight_losses = straight.run().losses
+
+    first = Trainer(small_config(tiny_conversations, tmp_path / "b", "train.max_steps=3"), log=quiet)
+    first_losses = first.run().losses
+    resumed = Trainer(
+        small_config(tiny_conversations, tmp_path / "b", "train.max_steps=6"), resume=True, log=quiet
+    )
+    assert resumed.step == 3
+    rest = resumed.run().losses
+
+    assert first_losses + rest == straight_losses
+    for name, weight in drafter_weights(straight).items():
+        assert torch.equal(weight, drafter_weights(resumed)[name]), name
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ("train.anchors=32", "train.anchors"),
+        ("drafter.block_size=6", "drafter.block_size"),
+        ("drafter.target_layer_ids=[1, 2]", "drafter.target_layer_ids"),
+        ("drafter.mask_token_id=4", "drafter.mask_token_id"),
+    ],
+)
+def test_resume_refuses_a_changed_training_signal(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path, change, field
+) -> None:
+    Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=1"), log=quiet).run()
+    with pytest.raises(UserError, match=rf"cannot resume: training signal {field} changed"):
+        Trainer(
+            small_config(tiny_conversations, tmp_path, "train.max_steps=2", change), resume=True, log=quiet
+        )
+
+
+def test_resume_skips_a_corrupt_checkpoint(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
+    Trainer(
+        small_config(tiny_conversations, tmp_path, "train.max_steps=4", "train.save_every=2"), log=quiet
+    ).run()
+    newest = complete_checkpoints(checkpoint_root(tmp_path))[-1]
+    (newest / "optimizer.pt").write_bytes(b"truncated")
+    with pytest.warns(UserWarning, match="fails its sha256|truncated"):
+        resumed = Trainer(
+            small_config(tiny_conversations, tmp_path, "train.max_steps=4"), resume=True, log=quiet
+        )
+    assert resumed.step == 2
+
+
+def test_run_directory_contents(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
+    lines: list[str] = []
+    result = Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=4"), log=lines.append).run()
+    assert result.steps == 4 and len(result.losses) == 4
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["max_steps"] == 4
+    assert "torch" in json.loads((tmp_path / "fingerprint.json").read_text())
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [2, 4]
+    log_lines = [line for line in lines if line.startswith("[")]
+    assert len(log_lines) == 2
+    assert all(
+        key in log_lines[-1]
+        for key in (
+            "step=4",
+            "loss=",
+            "acc=",
+            "streak=",
+            "lr=",
+            "noise=",
+            "tgt=",
+            "dft=",
+            "Ktok/s",
+            "q_pre=",
+            "q_hs=",
+            "epoch~",
+            "ETA=",
+        )
+    )
+
+
+def test_empty_dataset_is_refused_before_any_model_loads(tiny_tokenizer_dir, tmp_path: Path) -> None:
+    """All records too short: a one-line error naming the file, raised while the target path does not even exist."""
+    data = tmp_path / "short.jsonl"
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    data.write_text(json.dumps(record) + "\n")
+    config_file = tmp_path / "run.toml"
+    config_file.write_text(
+        f'[target]\npath = "{tmp_path / "no-such-model"}"\ntokenizer = "{tiny_tokenizer_dir}"\n'
+        f"[drafter]\nmask_token_id = 3\nblock_size = 4\n"
+        f'[data]\ntrain_files = ["{data}"]\ntoken_budget = 256\nmax_length = 256\n'
+        f'[train]\noutput_dir = "{tmp_path / "run"}"\ndevice = "cpu"\n'
+    )
+    with pytest.raises(UserError, match=r"short\.jsonl"):
+        Trainer(load_config(config_file), log=quiet)
+
+
+def test_golden_loss_curve(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
+    """The first 20 steps of configs/tiny.toml (on the fixture data) stay on the recorded curve.
+
+    Regenerate after an intended change of the model, objective or data path with
+    `DFLASH_UPDATE_GOLDEN=1 pytest tests/test_trainer.py -k golden`.
+    """
+    config = load_config(
+        ROOT / "configs" / "tiny.toml",
+        [f"data.train_files=['{tiny_conversations}']", f"train.output_dir={tmp_path}", "train.max_steps=20",
+         "train.eval_every=0"],
+    )  # fmt: skip
+    losses = Trainer(config, log=quiet).run().losses
+    if GOLDEN.exists() and not _updating():
+        golden = json.loads(GOLDEN.read_text())["losses"]
+        assert len(losses) == len(golden) == 20
+        for step, (got, want) in enumerate(zip(losses, golden, strict=True), start=1):
+            assert got == pytest.approx(want, rel=0.02, abs=0.02), (
+                f"step {step}: loss {got:.4f}, golden {want:.4f}"
+            )
+        assert losses[-1] < losses[0]  # it learns
+    else:
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(
+            json.dumps({"config": "configs/tiny.toml", "steps": 20, "losses": losses}, indent=1) + "\n"
+        )
+        pytest.fail(f"recorded a new golden curve in {GOLDEN}; review and commit it")
+
+
+def _updating() -> bool:
+    import os
+
+    return os.environ.get("DFLASH_UPDATE_GOLDEN") == "1"
