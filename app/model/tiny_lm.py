@@ -103,6 +103,9 @@ def _build(directory: Path, progress: Callable[[str], None]) -> None:
             )
 
     model.eval()
+    # stop generation (HF generate, `transformers serve`) at the end of the assistant turn
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)

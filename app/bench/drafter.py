@@ -1,0 +1,283 @@
+"""`dflash bench drafter`: one drafter training step (forward + backward + chunked loss) at a config's shapes.
+
+Only the drafter and random-weight stand-ins of the target's embedding and LM head are built (the
+step's cost does not depend on weight values); rows are synthetic but laid out like real ones
+(documents packed into `token_budget`, anchors sampled among supervised positions). Reports the
+median step time, query/context tokens per second, useful FLOPs term by term, the fraction of a
+given peak, peak memory, the first call's (compile) time, and on CUDA whether the step synchronises
+with the host or recompiles after warm-up (both would mean a degraded run).
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from app.bench.rows import synthetic_row
+from app.config import RunConfig, default_gamma
+from app.data.batch import DrafterRow, FeatureBatch
+from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.objective import block_labels, drafter_loss
+from app.model.target import target_dtype
+
+ROWS = 3
+"""Distinct synthetic rows cycled through: each step rebuilds its block mask, as in training."""
+
+
+@dataclass
+class DrafterBenchResult:
+    """What one benchmark run measured."""
+
+    device: str
+    shapes: dict[str, int]
+    step_ms: list[float]
+    first_call_s: float
+    forward_flops: dict[str, float]
+    """Useful forward FLOPs per term (see `step_flops`)."""
+    step_flops: float
+    peak_tflops: float
+    peak_memory_bytes: int
+    host_syncs: list[str] | None
+    """Where one step synchronised with the host (CUDA only; None elsewhere). Should be empty."""
+    real_context_tokens: int
+    query_tokens: int
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def achieved_tflops(self) -> float:
+        return self.step_flops / (self.median_ms / 1e3) / 1e12
+
+
+TRAINABLE_MULTIPLIER = 3
+"""forward + backward (input and weight gradients) of trainable parts."""
+FROZEN_HEAD_MULTIPLIER = 2
+"""the frozen LM head: forward + gradient w.r.t. its input only."""
+
+
+def forward_flops(arch: DrafterArch, row: DrafterRow) -> dict[str, float]:
+    """Useful forward FLOPs of one drafter step, term by term (a matmul of m x k by k x n is 2mkn).
+
+    Attention counts only unmasked (query, key) pairs, 4 * heads * head_dim each (scores + weighted
+    values); the LM head counts only supervised block slots. Everything else runs on all `T` context
+    tokens and all `A x B` block tokens, as the kernels do.
+    """
+    context = row.input_ids.shape[0]
+    queries = row.anchor_positions.shape[0] * arch.block_size
+    hidden, layers = arch.hidden_size, arch.num_layers
+    q_width = arch.num_attention_heads * arch.head_dim
+    kv_width = arch.num_key_value_heads * arch.head_dim
+    pairs = sum(_visible_pairs(row, arch.block_size, arch.layer_window(i)) for i in range(layers))
+    _, supervised = block_labels(row, arch.block_size)
+    return {
+        "fc (context features -> hidden)": 2 * context * arch.feature_size * hidden,
+        "q_proj (block)": layers * 2 * queries * hidden * q_width,
+        "k_proj + v_proj (block)": layers * 2 * 2 * queries * hidden * kv_width,
+        "k_proj + v_proj (context)": layers * 2 * 2 * context * hidden * kv_width,
+        "o_proj": layers * 2 * queries * q_width * hidden,
+        "mlp (gate, up, down)": layers * 3 * 2 * queries * hidden * arch.intermediate_size,
+        "attention (unmasked pairs)": 4 * arch.num_attention_heads * arch.head_dim * pairs,
+        "lm_head (supervised slots)": 2 * int(supervised.sum()) * hidden * arch.vocab_size,
+    }
+
+
+def step_flops(terms: dict[str, float]) -> float:
+    """FLOPs of forward + backward: 3x the trainable terms, 2x the frozen LM head."""
+    return sum(
+        value * (FROZEN_HEAD_MULTIPLIER if name.startswith("lm_head") else TRAINABLE_MULTIPLIER)
+        for name, value in terms.items()
+    )
+
+
+def _visible_pairs(row: DrafterRow, block_size: int, window: int | None) -> int:
+    """(query, key) pairs the training mask lets through for one layer."""
+    valid = row.anchor_positions[row.anchor_valid]
+    context = row.position_ids[valid]  # an anchor at position p sees the p earlier tokens of its document
+    if window is not None:
+        context = context.clamp(max=window)
+        in_block = block_size * (block_size + 1) // 2
+    else:
+        in_block = block_size * block_size
+    return int(context.sum()) * block_size + valid.numel() * in_block
+
+
+def run_drafter_bench(
+    config: RunConfig,
+    *,
+    steps: int = 10,
+    warmup: int = 3,
+    peak_tflops: float = 790.0,
+    device: str | None = None,
+) -> DrafterBenchResult:
+    """Build the drafter at the config's shapes and time `steps` training steps after `warmup` ones."""
+    if steps < 1 or warmup < 1:
+        raise ValueError("bench drafter: --steps and --warmup must be >= 1")
+    device = torch.device(device or _default_device(config))
+    cuda = device.type == "cuda"
+    arch = DrafterArch.from_config(config)
+    generator = torch.Generator().manual_seed(config.train.seed)
+    token_budget, anchors = config.data.token_budget, config.train.anchors
+    documents = max(1, token_budget // config.data.max_length)
+    rows = [
+        synthetic_row(
+            token_budget, anchors, arch.vocab_size, num_documents=documents, generator=generator
+        ).to(device)
+        for _ in range(ROWS)
+    ]
+    frozen_dtype = target_dtype(config.target, device)
+    embed_tokens, lm_head = _frozen_head_stand_ins(arch, device, frozen_dtype)
+    features = torch.randn(token_budget, arch.feature_size, device=device, dtype=frozen_dtype)
+    with torch.device(device):
+        drafter = DFlashDrafter(arch, seed=config.train.seed)
+    if cuda and config.compile.mode != "off":
+        drafter.compile_layers()
+    autocast = cuda and config.train.precision == "bf16"
+    gamma = config.train.gamma or default_gamma(arch.block_size)
+
+    def step(row: DrafterRow) -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            output = drafter_loss(
+                drafter,
+                FeatureBatch(row=row, features=features),
+                embed_tokens,
+                lm_head,
+                gamma=gamma,
+                chunk_size=config.train.loss_chunk_size,
+            )
+        output.loss.backward()
+        drafter.zero_grad(set_to_none=True)
+
+    started = time.perf_counter()
+    step(rows[0])
+    _synchronize(device)
+    first_call_s = time.perf_counter() - started
+    for index in range(1, warmup):
+        step(rows[index % ROWS])
+    _synchronize(device)
+
+    host_syncs = _host_syncs(step, rows[1]) if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.compiler.set_stance("fail_on_recompile")  # a recompile here is a bug: say so, don't time it
+    try:
+        step_ms = [_timed(step, rows[index % ROWS], device) for index in range(steps)]
+    finally:
+        if cuda:
+            torch.compiler.set_stance("default")
+    peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
+    terms = forward_flops(arch, rows[0].to("cpu"))
+    return DrafterBenchResult(
+        device=torch.cuda.get_device_name(device) if cuda else "cpu",
+        shapes={
+            "token_budget": token_budget,
+            "anchors": anchors,
+            "block_size": arch.block_size,
+            "documents": documents,
+            "layers": arch.num_layers,
+            "hidden": arch.hidden_size,
+            "vocab": arch.vocab_size,
+        },
+        step_ms=step_ms,
+        first_call_s=first_call_s,
+        forward_flops=terms,
+        step_flops=step_flops(terms),
+        peak_tflops=peak_tflops,
+        peak_memory_bytes=peak_memory,
+        host_syncs=host_syncs,
+        real_context_tokens=int((rows[0].document_ids >= 0).sum()),
+        query_tokens=anchors * arch.block_size,
+    )
+
+
+def format_report(result: DrafterBenchResult) -> str:
+    """The benchmark's printout: shapes, timings, throughput, FLOPs term by term, memory."""
+    seconds = result.median_ms / 1e3
+    shapes = ", ".join(f"{name}={value}" for name, value in result.shapes.items())
+    lines = [
+        f"device: {result.device}",
+        f"shapes: {shapes}",
+        f"first call (compile + step): {result.first_call_s:.2f} s",
+        f"step time (median of {len(result.step_ms)}): {result.median_ms:.2f} ms "
+        f"(min {min(result.step_ms):.2f}, max {max(result.step_ms):.2f})",
+        f"query tokens/s: {result.query_tokens / seconds:,.0f} (A x B = {result.query_tokens} per step)",
+        f"context tokens/s: {result.real_context_tokens / seconds:,.0f} (real tokens, {result.real_context_tokens} per step)",
+        "useful FLOPs per step (forward GFLOP x multiplier):",
+    ]
+    for name, value in result.forward_flops.items():
+        multiplier = FROZEN_HEAD_MULTIPLIER if name.startswith("lm_head") else TRAINABLE_MULTIPLIER
+        lines.append(f"  {name:<32} {value / 1e9:>12,.1f} x{multiplier}")
+    lines += [
+        f"  {'total (fwd + bwd)':<32} {result.step_flops / 1e9:>12,.1f}",
+        f"achieved TFLOP/s: {result.achieved_tflops:.1f} "
+        f"({100 * result.achieved_tflops / result.peak_tflops:.1f}% of {result.peak_tflops:g} peak)",
+        f"peak memory: {result.peak_memory_bytes / 2**30:.2f} GiB"
+        + (" (max allocated)" if result.host_syncs is not None else " (process peak RSS)"),
+    ]
+    if result.host_syncs is not None:
+        where = f" at {', '.join(result.host_syncs)}" if result.host_syncs else ""
+        lines.append(f"host syncs per step: {len(result.host_syncs)}{where}")
+    return "\n".join(lines)
+
+
+def _frozen_head_stand_ins(
+    arch: DrafterArch, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Embedding, nn.Linear]:
+    with torch.device(device):
+        embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
+    for module in (embed_tokens, lm_head):
+        nn.init.normal_(module.weight, std=0.02)
+        module.requires_grad_(False)
+    return embed_tokens, lm_head
+
+
+def _default_device(config: RunConfig) -> str:
+    if config.train.device != "auto":
+        return config.train.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(step, row: DrafterRow, device: torch.device) -> float:
+    if device.type != "cuda":
+        started = time.perf_counter()
+        step(row)
+        return (time.perf_counter() - started) * 1e3
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    step(row)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end)
+
+
+def _host_syncs(step, row: DrafterRow) -> list[str]:
+    """Run one step with CUDA's sync debug mode on; where each synchronisation it reports happened."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(row)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    # the mode's own "prototype feature" notice is not a synchronisation
+    return [f"{w.filename}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB, macOS bytes

@@ -1,0 +1,34 @@
+"""`dflash bench drafter`: stage benchmarks at a run config's exact shapes."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from app.config import load_config
+
+group = typer.Typer(help="Benchmark one stage at a config's exact shapes.", no_args_is_help=True)
+
+
+@group.command("drafter")
+def drafter(
+    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Timed steps.")] = 10,
+    warmup: Annotated[
+        int, typer.Option("--warmup", min=1, help="Untimed steps first (the first one compiles).")
+    ] = 3,
+    peak_tflops: Annotated[
+        float,
+        typer.Option(
+            "--peak-tflops", min=0.001, help="Peak to compare with (H200 bf16 matmul, measured: 790)."
+        ),
+    ] = 790.0,
+) -> None:
+    """Time drafter forward + backward + chunked loss steps; print throughput, FLOPs, memory, compile time."""
+    from app.bench.drafter import format_report, run_drafter_bench  # torch loads only for this command
+
+    resolved = load_config(config, overrides or [])
+    result = run_drafter_bench(resolved, steps=steps, warmup=warmup, peak_tflops=peak_tflops)
+    print(format_report(result))

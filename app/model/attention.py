@@ -1,0 +1,172 @@
+"""flex_attention for the drafter: the one place that picks the kernel, and the training block mask.
+
+Queries are the `A x B` block tokens of a packed row (anchor j's block is queries j*B .. j*B+B-1);
+keys are the row's `T` context tokens followed by the same `A x B` block tokens. A query of block j
+sees the context of its own document strictly before anchor j, and every key of its own block
+(bidirectional); nothing else. Unused anchor slots see nothing (flex returns zeros for such rows,
+with zero gradients). Sliding-window layers also limit the context to the last `window` tokens
+before the anchor and are causal inside the block.
+
+Kernels (the incident: uncompiled flex on CUDA ran 4-5x slower with volatile memory, silently):
+compiled flex_attention with a BlockMask on CUDA, always. On CPU the compiled flex backward fails
+(torch 2.10) and eager flex costs ~1 s per call even at the tiny demo's shapes (measured on 2 cores:
+20x SDPA), so CPU runs SDPA with the same rule evaluated as a dense boolean mask; eager flex on
+CPU stays available (`backend="flex"`) and the tests check both agree.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from app.data.batch import DrafterRow
+
+FlexKernel = Callable[..., torch.Tensor]
+"""`kernel(query, key, value, block_mask=..., enable_gqa=True) -> output`, like `flex_attention`."""
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""`attend(query [1, heads, Q, d], key [1, kv_heads, S, d], value) -> [1, heads, Q, d]`."""
+
+Backend = Literal["flex", "dense"]
+
+
+class UncompiledFlexOnCudaError(RuntimeError):
+    """Eager flex_attention on CUDA materialises the full score matrix: a degraded run, never allowed."""
+
+
+def flex_attention_for(device: torch.device | str, compiled: bool | None = None) -> FlexKernel:
+    """The flex_attention kernel to use on `device`: compiled on CUDA, eager elsewhere.
+
+    `compiled=None` takes the device's default; `compiled=False` on CUDA raises (`compile.mode = "off"`
+    on a GPU is refused, not quietly slow); `compiled=True` off CUDA raises too (the compiled backward
+    fails on CPU). The compiled kernel is created once per process, on the main thread: compiling
+    flex from several threads at once is what broke the incident's run.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        if compiled is False:
+            raise UncompiledFlexOnCudaError(
+                "eager flex_attention on CUDA materialises the full score matrix (4-5x slower, volatile "
+                "memory); the drafter always uses the compiled kernel on GPUs"
+            )
+        return _compiled_flex_attention()
+    if compiled:
+        raise RuntimeError(
+            f"compiled flex_attention is only supported on CUDA (its backward fails on {device.type})"
+        )
+    return _eager_flex_attention
+
+
+@functools.cache
+def _compiled_flex_attention() -> FlexKernel:
+    require_main_thread("flex_attention")
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _eager_flex_attention(*args, **kwargs) -> torch.Tensor:
+    # Eager flex off CUDA is intended (parity checks at tiny shapes): silence its "use torch.compile" advice.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_create_block_mask() -> Callable[..., BlockMask]:
+    require_main_thread("create_block_mask")
+    return torch.compile(create_block_mask, dynamic=False)
+
+
+def require_main_thread(what: str) -> None:
+    """Compiled kernels are created on the main thread only: concurrent FX tracing broke the incident's run."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            f"compiled {what} must be created on the main thread (concurrent FX tracing breaks it)"
+        )
+
+
+def training_attention(
+    row: DrafterRow, block_size: int, windows: set[int | None], backend: Backend | None = None
+) -> dict[int | None, Attend]:
+    """Per context window (None = full context), the attention of one packed row's block queries.
+
+    `backend` None picks the device's: "flex" (compiled, BlockMask) on CUDA, "dense" (SDPA with a
+    boolean mask) elsewhere. Masks are built once per row and shared by the layers using them.
+    """
+    device = row.input_ids.device
+    backend = backend or ("flex" if device.type == "cuda" else "dense")
+    if backend == "dense":
+        return {window: _dense_attend(dense_training_mask(row, block_size, window)) for window in windows}
+    kernel = flex_attention_for(device)
+    return {window: _flex_attend(kernel, training_block_mask(row, block_size, window)) for window in windows}
+
+
+def _flex_attend(kernel: FlexKernel, block_mask: BlockMask) -> Attend:
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return kernel(query, key, value, block_mask=block_mask, enable_gqa=True)
+
+    return attend
+
+
+def _dense_attend(mask: torch.Tensor) -> Attend:
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # Rows with no visible key (unused anchor slots) come out as zeros, with zero gradients.
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+
+    return attend
+
+
+def dense_training_mask(row: DrafterRow, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
+    """The training mask as a dense boolean `[A*B, T + A*B]` tensor (the BlockMask's rule, broadcast)."""
+    query_len = row.anchor_positions.shape[0] * block_size
+    device = row.input_ids.device
+    queries = torch.arange(query_len, device=device)[:, None]
+    keys = torch.arange(row.input_ids.shape[0] + query_len, device=device)[None, :]
+    return _training_mask_mod(row, block_size, sliding_window)(0, 0, queries, keys)
+
+
+def training_block_mask(row: DrafterRow, block_size: int, sliding_window: int | None = None) -> BlockMask:
+    """The flex BlockMask of one packed row: queries `A*B` block tokens, keys `T` context + `A*B` block tokens.
+
+    On CUDA the mask is built by a compiled `create_block_mask` (one compile per window setting; the
+    row's tensors are inputs, so new rows never recompile); on CPU eagerly.
+    """
+    context_len = row.input_ids.shape[0]
+    query_len = row.anchor_positions.shape[0] * block_size
+    mask_mod = _training_mask_mod(row, block_size, sliding_window)
+    device = row.input_ids.device
+    build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
+    return build(mask_mod, None, None, query_len, context_len + query_len, device=device)
+
+
+def _training_mask_mod(row: DrafterRow, block_size: int, sliding_window: int | None) -> Callable:
+    context_len = row.input_ids.shape[0]
+    last_anchor_slot = row.anchor_positions.shape[0] - 1
+    document_ids = row.document_ids
+    anchor_positions = row.anchor_positions
+    anchor_valid = row.anchor_valid
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        # Kernels evaluate whole 128-wide tiles, so q_idx may run past the last block: clamp before indexing.
+        block = torch.clamp(q_idx // block_size, max=last_anchor_slot)
+        anchor = anchor_positions[block]
+        context_idx = torch.clamp(kv_idx, max=context_len - 1)
+        sees_context = (
+            (kv_idx < context_len)
+            & (context_idx < anchor)
+            & (document_ids[context_idx] == document_ids[anchor])
+        )
+        block_key = kv_idx - context_len  # negative on context keys, so never equal to a block index there
+        sees_block = (block_key >= 0) & (block_key // block_size == block)
+        if sliding_window is not None:
+            sees_context = sees_context & (context_idx >= anchor - sliding_window)
+            sees_block = sees_block & (block_key % block_size <= q_idx % block_size)
+        return anchor_valid[block] & (sees_context | sees_block)
+
+    return mask_mod

@@ -1,0 +1,204 @@
+"""The DFlash training objective: decayed block cross-entropy through the frozen LM head, in chunks.
+
+Block slot k (k >= 1) of anchor a predicts the token at row index a + k (same position, no shift),
+where that token exists, belongs to the anchor's document and is supervised (loss_mask). Slot k
+weighs `exp(-(k-1)/gamma)`; the loss is the weighted CE sum over the weight sum.
+
+The logits `anchors x block x vocab` never exist at once (1024 x 32 x 248K at production sizes):
+`chunked_lm_head_ce` runs the LM head `chunk` anchors at a time and computes each chunk's gradient
+w.r.t. the hidden states right there (softmax - one-hot, times the LM head), keeping only that
+`[A, B-1, H]` gradient for backward. Logits are computed once per step (forward + input gradient:
+2 LM-head matmuls, no recompute), and peak memory scales with the chunk size, not the anchors.
+
+Metrics are returned as detached 0-d tensors on the training device: reading them (`.item()`,
+`float()`) synchronises with the GPU, so the trainer should only do it on log steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from app.config import default_gamma
+from app.config.schema import TrainConfig
+from app.data.batch import DrafterRow, FeatureBatch
+from app.errors import UserError
+from app.model.attention import require_main_thread
+
+
+@dataclass
+class LossOutput:
+    """One drafter step's loss and metrics (metrics detached; `.item()` them on log steps only)."""
+
+    loss: torch.Tensor
+    """0-d, differentiable: weighted CE sum / weight sum (0 when nothing is supervised)."""
+    acc: torch.Tensor
+    """0-d: argmax accuracy over supervised block slots."""
+    streak: torch.Tensor
+    """0-d: mean over valid blocks of the leading correct slots (training proxy of acceptance length - 1)."""
+    noise: float
+    """Std of the Gaussian noise added to the context features this step (0: off)."""
+    supervised_tokens: torch.Tensor
+    """0-d int64: block slots that carried loss."""
+
+
+def drafter_loss(
+    drafter: nn.Module,
+    batch: FeatureBatch,
+    embed_tokens: nn.Embedding,
+    lm_head: nn.Linear,
+    *,
+    gamma: float | None = None,
+    chunk_size: int = 128,
+    noise_std: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> LossOutput:
+    """Forward one feature batch through the drafter and the chunked, decayed block CE.
+
+    `drafter` may be the DFlashDrafter or a DDP wrapper of it (it is called, not introspected).
+    `gamma` None takes the published default for the block size; `chunk_size` is in anchors
+    (`train.loss_chunk_size`); `noise_std > 0` adds N(0, noise_std^2) to the features, drawn from
+    `generator` (on the features' device) so resumed runs replay the same noise.
+    """
+    row, features = batch.row, batch.features
+    block_size = _block_size(drafter)
+    if noise_std > 0:
+        noise = torch.randn(features.shape, generator=generator, device=features.device, dtype=features.dtype)
+        features = features + noise_std * noise
+    hidden = drafter(features, row, embed_tokens)
+    labels, supervised = block_labels(row, block_size)
+    weights = supervised * slot_weights(block_size, gamma or default_gamma(block_size), hidden.device)
+    weights = weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
+    loss, predictions = chunked_lm_head_ce(hidden[:, 1:], lm_head, labels, weights, chunk_size)
+    acc, streak = block_metrics(predictions, labels, supervised, row.anchor_valid)
+    return LossOutput(
+        loss=loss, acc=acc, streak=streak, noise=float(noise_std), supervised_tokens=supervised.sum()
+    )
+
+
+def block_labels(row: DrafterRow, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets of block slots 1..B-1: `labels [A, B-1]` (0 where unsupervised) and `supervised [A, B-1]`."""
+    length = row.input_ids.shape[0]
+    index = row.anchor_positions[:, None] + torch.arange(1, block_size, device=row.input_ids.device)
+    inside = index < length
+    index = index.clamp(max=length - 1)
+    anchor_document = row.document_ids[row.anchor_positions][:, None]
+    supervised = (
+        inside
+        & (row.document_ids[index] == anchor_document)
+        & row.loss_mask[index]
+        & row.anchor_valid[:, None]
+    )
+    labels = torch.where(supervised, row.input_ids[index], 0)
+    return labels, supervised
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device | str) -> torch.Tensor:
+    """`[B-1]` weights of slots 1..B-1: exp(-(k-1)/gamma), 1 for the first predicted slot."""
+    if gamma <= 0:
+        raise UserError(f"train.gamma: must be > 0, got {gamma}")
+    return torch.exp(-torch.arange(block_size - 1, device=device, dtype=torch.float32) / gamma)
+
+
+def feature_noise_std(train: TrainConfig, step: int) -> float:
+    """Noise std at optimizer step `step`: `feature_noise_std`, decaying linearly to 0 over
+    `feature_noise_decay_steps` when that is > 0."""
+    if train.feature_noise_decay_steps <= 0:
+        return train.feature_noise_std
+    return train.feature_noise_std * max(0.0, 1.0 - step / train.feature_noise_decay_steps)
+
+
+def block_metrics(
+    predictions: torch.Tensor, labels: torch.Tensor, supervised: torch.Tensor, anchor_valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`acc` over supervised slots and `streak` = mean leading correct slots per valid block (0-d each)."""
+    correct = (predictions == labels) & supervised
+    acc = correct.sum() / supervised.sum().clamp_min(1)
+    leading = torch.cumprod(correct.int(), dim=1).sum(dim=1)  # stops at the first wrong or unsupervised slot
+    streak = (leading * anchor_valid).sum() / anchor_valid.sum().clamp_min(1)
+    return acc.detach(), streak.detach()
+
+
+def chunked_lm_head_ce(
+    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """sum(weights * CE(lm_head(hidden), labels)) and the argmax predictions, `chunk_size` anchors at a time.
+
+    `hidden [A, S, H]`, `labels`/`weights [A, S]`. The LM head must be frozen: only `hidden` gets a gradient.
+    """
+    if lm_head.weight.requires_grad:
+        raise ValueError("chunked_lm_head_ce: the LM head must be frozen (requires_grad=False)")
+    if chunk_size < 1:
+        raise UserError(f"train.loss_chunk_size: must be >= 1, got {chunk_size}")
+    return _ChunkedLinearCrossEntropy.apply(hidden, lm_head.weight, lm_head.bias, labels, weights, chunk_size)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward computes loss, predictions and d(loss)/d(hidden) chunk by chunk; backward only scales it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size):
+        ce_chunk = _ce_chunk_kernel(hidden.device.type)
+        needs_grad = ctx.needs_input_grad[0]
+        loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        predictions = torch.empty(labels.shape, device=hidden.device, dtype=torch.long)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            stop = min(start + chunk_size, hidden.shape[0])
+            chunk = hidden[start:stop].reshape(-1, hidden.shape[-1]).to(weight.dtype)
+            logits = chunk @ weight.t()
+            if bias is not None:
+                logits = logits + bias
+            chunk_loss, grad_logits, chunk_predictions = ce_chunk(
+                logits, labels[start:stop].reshape(-1), weights[start:stop].reshape(-1)
+            )
+            loss = loss + chunk_loss
+            predictions[start:stop] = chunk_predictions.view(stop - start, -1)
+            if needs_grad:
+                grad_chunk = grad_logits.to(weight.dtype) @ weight
+                grad_hidden[start:stop] = grad_chunk.view(stop - start, -1, hidden.shape[-1])
+            del logits, grad_logits  # free this chunk's vocab-sized buffers before the next one
+        ctx.mark_non_differentiable(predictions)
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden)
+        return loss, predictions
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_predictions):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+
+
+def _ce_chunk(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted CE sum, its gradient w.r.t. the logits, and the argmax, for `logits [n, V]`.
+
+    In place on an fp32 copy of the logits: one vocab-sized fp32 buffer per chunk.
+    """
+    logits = logits.float()
+    predictions = logits.argmax(dim=-1)
+    log_normaliser = torch.logsumexp(logits, dim=-1)
+    label_logits = logits.gather(-1, labels[:, None]).squeeze(-1)
+    loss = ((log_normaliser - label_logits) * weights).sum()
+    # d(w * CE)/d(logits) = w * (softmax - one_hot)
+    grad = logits.sub_(log_normaliser[:, None]).exp_().mul_(weights[:, None])
+    grad.scatter_add_(-1, labels[:, None], -weights[:, None])
+    return loss, grad, predictions
+
+
+@functools.cache
+def _ce_chunk_kernel(device_type: str):
+    """Compiled on CUDA (fuses the softmax passes over the vocab); eager on CPU."""
+    if device_type == "cuda":
+        require_main_thread("cross-entropy chunk")
+        return torch.compile(_ce_chunk, dynamic=False)
+    return _ce_chunk
+
+
+def _block_size(drafter: nn.Module) -> int:
+    module = getattr(drafter, "module", drafter)  # DDP / FSDP wrappers keep the drafter in `.module`
+    return module.arch.block_size

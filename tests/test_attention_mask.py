@@ -1,0 +1,151 @@
+"""The training mask: BlockMask and dense mask against a brute-force rule, flex against SDPA, kernel choice."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.bench.rows import synthetic_row
+from app.model.attention import (
+    UncompiledFlexOnCudaError,
+    dense_training_mask,
+    flex_attention_for,
+    training_attention,
+    training_block_mask,
+)
+
+BLOCK = 4
+
+
+def brute_force_mask(row, block_size, window=None):
+    """The rule of DESIGN.md section 4, one (query, key) pair at a time."""
+    context_len = row.input_ids.shape[0]
+    anchors = row.anchor_positions.tolist()
+    valid = row.anchor_valid.tolist()
+    documents = row.document_ids.tolist()
+    query_len = len(anchors) * block_size
+    mask = torch.zeros(query_len, context_len + query_len, dtype=torch.bool)
+    for query in range(query_len):
+        block, slot = divmod(query, block_size)
+        if not valid[block]:
+            continue
+        anchor = anchors[block]
+        for key in range(context_len):
+            in_window = window is None or key >= anchor - window
+            mask[query, key] = key < anchor and documents[key] == documents[anchor] and in_window
+        for key_slot in range(block_size):
+            mask[query, context_len + block * block_size + key_slot] = window is None or key_slot <= slot
+    return mask
+
+
+def blocks_of(block_mask, num_indices, indices):
+    """Decode a BlockMask's (num_blocks, indices) pair into a set of (q_block, kv_block)."""
+    found = set()
+    for q_block in range(num_indices.shape[-1]):
+        for position in range(int(num_indices[0, 0, q_block])):
+            found.add((q_block, int(indices[0, 0, q_block, position])))
+    return found
+
+
+def tile_summary(dense, tile=128):
+    """Per 128x128 tile of a dense mask: 'any' and 'all' (tiles past the end are padded with False)."""
+    rows, cols = dense.shape
+    padded = torch.zeros(-(-rows // tile) * tile, -(-cols // tile) * tile, dtype=torch.bool)
+    padded[:rows, :cols] = dense
+    tiles = padded.view(padded.shape[0] // tile, tile, padded.shape[1] // tile, tile).transpose(1, 2)
+    any_true = {tuple(index) for index in tiles.any(-1).any(-1).nonzero().tolist()}
+    # a tile straddling the end is never "full": its padding is masked
+    valid = torch.zeros_like(padded)
+    valid[:rows, :cols] = True
+    valid_tiles = valid.view_as(padded).view(tiles.shape[0], tile, tiles.shape[1], tile).transpose(1, 2)
+    all_true = {tuple(index) for index in (tiles | ~valid_tiles).all(-1).all(-1).nonzero().tolist()}
+    return any_true, all_true & any_true
+
+
+ROWS = {
+    # name: (token_budget, anchors, documents, padding, valid anchors)
+    "several documents, padding, dead slots": (256, 40, 4, 30, 29),
+    "one document, all slots used": (128, 24, 1, 0, None),
+    "many short documents": (384, 64, 12, 5, 50),
+}
+
+
+@pytest.fixture(params=list(ROWS), ids=list(ROWS))
+def row(request):
+    token_budget, anchors, documents, padding, valid = ROWS[request.param]
+    generator = torch.Generator().manual_seed(len(request.param))
+    return synthetic_row(
+        token_budget,
+        anchors,
+        97,
+        num_documents=documents,
+        padding=padding,
+        valid_anchors=valid,
+        generator=generator,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_dense_mask_equals_brute_force(row, window):
+    assert torch.equal(dense_training_mask(row, BLOCK, window), brute_force_mask(row, BLOCK, window))
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_block_mask_tiles_match_brute_force(row, window):
+    block_mask = training_block_mask(row, BLOCK, window)
+    expected = brute_force_mask(row, BLOCK, window)
+    assert block_mask.shape[-2:] == expected.shape
+    any_true, all_true = tile_summary(expected)
+    partial = blocks_of(block_mask, block_mask.kv_num_blocks, block_mask.kv_indices)
+    full = blocks_of(block_mask, block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    assert full == all_true  # full tiles skip mask_mod: they must be exactly the all-visible ones
+    assert partial | full == any_true  # and no visible pair may sit in a skipped tile
+    assert not partial & full
+
+
+def qkv(query_len, key_len, generator, heads=4, kv_heads=2, head_dim=16):
+    def make(length, count):
+        return torch.randn(1, count, length, head_dim, generator=generator, requires_grad=True)
+
+    return make(query_len, heads), make(key_len, kv_heads), make(key_len, kv_heads)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_flex_equals_sdpa_with_dense_mask(row, window):
+    generator = torch.Generator().manual_seed(0)
+    dense = brute_force_mask(row, BLOCK, window)
+    query, key, value = qkv(*dense.shape, generator)
+    flex = flex_attention_for("cpu")(
+        query, key, value, block_mask=training_block_mask(row, BLOCK, window), enable_gqa=True
+    )
+    reference = F.scaled_dot_product_attention(query, key, value, attn_mask=dense, enable_gqa=True)
+    visible = dense.any(dim=1)  # SDPA's rows without any key are not part of the contract
+    torch.testing.assert_close(flex[0][:, visible], reference[0][:, visible], rtol=1e-5, atol=1e-5)
+    # the CPU training path (dense backend) computes the same attention
+    dense_attend = training_attention(row, BLOCK, {window}, backend="dense")[window]
+    torch.testing.assert_close(dense_attend(query, key, value)[0][:, visible], reference[0][:, visible])
+
+
+@pytest.mark.parametrize("backend", ["flex", "dense"])
+def test_rows_that_see_nothing_give_zeros_and_finite_gradients(backend):
+    generator = torch.Generator().manual_seed(1)
+    row = synthetic_row(128, 32, 97, num_documents=2, valid_anchors=20, generator=generator)
+    attend = training_attention(row, BLOCK, {None}, backend=backend)[None]
+    query, key, value = qkv(32 * BLOCK, 128 + 32 * BLOCK, generator)
+    output = attend(query, key, value)
+    (output.square().sum() + output.sum()).backward()
+    dead_queries = slice(20 * BLOCK, None)
+    assert torch.isfinite(output).all()
+    assert torch.equal(output[0, :, dead_queries], torch.zeros_like(output[0, :, dead_queries]))
+    for tensor in (query, key, value):
+        assert torch.isfinite(tensor.grad).all()
+    assert not query.grad[0, :, dead_queries].any()
+    # keys of dead blocks are seen by nobody: no gradient reaches them
+    assert not key.grad[0, :, 128 + 20 * BLOCK :].any()
+
+
+def test_kernel_choice_is_explicit():
+    assert flex_attention_for("cpu") is flex_attention_for(torch.device("cpu"))
+    with pytest.raises(UncompiledFlexOnCudaError, match="eager flex_attention on CUDA"):
+        flex_attention_for("cuda", compiled=False)
+    with pytest.raises(RuntimeError, match="only supported on CUDA"):
+        flex_attention_for("cpu", compiled=True)

@@ -1,0 +1,286 @@
+"""The DFlash drafter: layout, shapes, validation, mask semantics end to end, inference == training."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from app.bench.rows import synthetic_row
+from app.config import validate_config
+from app.errors import UserError
+from app.model.drafter import DFlashDrafter, DrafterArch
+
+VOCAB, HIDDEN, BLOCK = 300, 64, 4
+
+
+def run_config(**drafter):
+    return validate_config(
+        {
+            "target": {
+                "architecture": {
+                    "model_type": "qwen3",
+                    "vocab_size": VOCAB,
+                    "hidden_size": HIDDEN,
+                    "intermediate_size": 96,
+                    "num_hidden_layers": 8,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 16,
+                    "rope_theta": 5000.0,
+                }
+            },
+            "drafter": {"num_layers": 2, "block_size": BLOCK, "mask_token_id": 7, **drafter},
+            "data": {"token_budget": 128, "max_length": 64},
+            "train": {"anchors": 16},
+        }
+    )
+
+
+def frozen_head(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    embed_tokens = nn.Embedding(VOCAB, HIDDEN).requires_grad_(False)
+    lm_head = nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False)
+    for module in (embed_tokens, lm_head):
+        module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.5)
+    return embed_tokens, lm_head
+
+
+def test_arch_defaults_come_from_the_target():
+    arch = DrafterArch.from_config(run_config())
+    assert (arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim) == (
+        64,
+        4,
+        2,
+        16,
+    )
+    assert arch.intermediate_size == 96 and arch.rope_theta == 5000.0 and arch.vocab_size == VOCAB
+    assert arch.target_layer_ids == (1, 5)  # default: spread from 1 to 8 - 3
+    assert arch.feature_size == 2 * HIDDEN
+    overridden = DrafterArch.from_config(run_config(num_attention_heads=8, head_dim=8, intermediate_size=40))
+    assert (overridden.num_attention_heads, overridden.head_dim, overridden.intermediate_size) == (8, 8, 40)
+
+
+def test_arch_reads_multimodal_qwen3_5_configs():
+    config = validate_config(
+        {
+            "target": {
+                "architecture": {
+                    "model_type": "qwen3_5",
+                    "text_config": {
+                        "vocab_size": 512,
+                        "hidden_size": 32,
+                        "intermediate_size": 64,
+                        "num_hidden_layers": 8,
+                        "num_attention_heads": 2,
+                        "num_key_value_heads": 1,
+                        "head_dim": 16,
+                    },
+                }
+            },
+            "drafter": {"num_layers": 3, "mask_token_id": 500},
+        }
+    )
+    arch = DrafterArch.from_config(config)
+    assert (arch.hidden_size, arch.vocab_size, arch.num_target_layers) == (32, 512, 8)
+    assert arch.target_layer_ids == (1, 3, 5)
+    assert arch.rope_theta > 0
+
+
+def test_parameter_names_follow_the_reference_layout():
+    drafter = DFlashDrafter(DrafterArch.from_config(run_config()))
+    per_layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    expected |= {f"layers.{i}.{name}" for i in range(2) for name in per_layer}
+    assert set(drafter.state_dict()) == expected  # no embedding, no LM head, no buffers
+    assert {name for name, _ in drafter.named_parameters()} == expected
+    assert drafter.fc.weight.shape == (HIDDEN, 2 * HIDDEN) and drafter.fc.bias is None
+
+
+def test_production_shape_parameter_count():
+    config = validate_config(
+        {
+            "target": {
+                "architecture": {
+                    "model_type": "qwen3_5_text",
+                    "vocab_size": 248320,
+                    "hidden_size": 5120,
+                    "intermediate_size": 17408,
+                    "num_hidden_layers": 64,
+                    "num_attention_heads": 24,
+                    "num_key_value_heads": 4,
+                    "head_dim": 256,
+                }
+            },
+            "drafter": {
+                "num_layers": 5,
+                "target_layer_ids": [1, 16, 31, 46, 61],
+                "block_size": 32,
+                "mask_token_id": 248070,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+            },
+            "data": {"token_budget": 49152, "max_length": 16384},
+            "train": {"anchors": 1024},
+        }
+    )
+    with torch.device("meta"):
+        drafter = DFlashDrafter(DrafterArch.from_config(config))
+    hidden, ffn, heads, kv_heads, head_dim = 5120, 17408, 32, 8, 128
+    fc = 5 * 5120 * hidden  # 25600 -> 5120, no bias
+    attention = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+    attention += 2 * head_dim  # q_norm, k_norm
+    mlp = 3 * hidden * ffn
+    norms = 2 * hidden  # input_layernorm, post_attention_layernorm
+    expected = fc + hidden + 5 * (attention + mlp + norms) + hidden  # + hidden_norm, final norm
+    assert expected == 1_730_213_120  # ~1.73B trainable parameters
+    assert sum(p.numel() for p in drafter.parameters()) == expected
+    assert drafter.fc.weight.shape == (5120, 25600)
+
+
+def test_same_seed_same_weights():
+    arch = DrafterArch.from_config(run_config())
+    first, second, other = (
+        DFlashDrafter(arch, seed=3),
+        DFlashDrafter(arch, seed=3),
+        DFlashDrafter(arch, seed=4),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(), strict=True))
+    assert not torch.equal(first.fc.weight, other.fc.weight)
+
+
+def test_bad_shapes_are_one_line_user_errors():
+    arch = DrafterArch.from_config(run_config())
+    with pytest.raises(UserError, match="must equal the target's"):
+        replace(arch, hidden_size=32)
+    with pytest.raises(UserError, match="mask_token_id"):
+        replace(arch, mask_token_id=VOCAB)
+    with pytest.raises(UserError, match="block_size"):
+        replace(arch, block_size=1)
+    with pytest.raises(UserError, match="target_layer_ids"):
+        replace(arch, target_layer_ids=(1, 8))
+    with pytest.raises(UserError, match="num_key_value_heads"):
+        replace(arch, num_key_value_heads=3)
+
+    drafter = DFlashDrafter(arch)
+    embed_tokens, _ = frozen_head()
+    row = synthetic_row(128, 16, VOCAB, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(UserError, match=r"K=2 target layers \[1, 5\]"):
+        drafter(torch.zeros(128, 3 * HIDDEN), row, embed_tokens)
+    with pytest.raises(UserError, match="cover 100 tokens"):
+        drafter(torch.zeros(100, 2 * HIDDEN), row, embed_tokens)
+    with pytest.raises(UserError, match="target embedding"):
+        drafter(torch.zeros(128, 2 * HIDDEN), row, nn.Embedding(VOCAB, 32))
+    empty = synthetic_row(128, 16, VOCAB, generator=torch.Generator().manual_seed(0))
+    empty.anchor_positions, empty.anchor_valid = empty.anchor_positions[:0], empty.anchor_valid[:0]
+    with pytest.raises(UserError, match="no anchor slots"):
+        drafter(torch.zeros(128, 2 * HIDDEN), empty, embed_tokens)
+
+
+@pytest.fixture(scope="module")
+def sliding_setup():
+    arch = DrafterArch.from_config(run_config(sliding_window=12, sliding_window_layers=[1]))
+    drafter = DFlashDrafter(arch, seed=1)
+    embed_tokens, lm_head = frozen_head()
+    generator = torch.Generator().manual_seed(5)
+    row = synthetic_row(128, 16, VOCAB, num_documents=3, padding=9, valid_anchors=13, generator=generator)
+    features = torch.randn(128, arch.feature_size, generator=generator)
+    return drafter, embed_tokens, lm_head, row, features
+
+
+def test_a_block_sees_only_its_documents_earlier_context(sliding_setup):
+    drafter, embed_tokens, _, row, features = sliding_setup
+    baseline = drafter(features, row, embed_tokens)
+    block = 6
+    anchor = int(row.anchor_positions[block])
+    document = row.document_ids[anchor]
+    unseen = (row.document_ids != document) | (torch.arange(128) >= anchor)
+    perturbed = features.clone()
+    perturbed[unseen] += 5.0
+    changed = drafter(perturbed, row, embed_tokens)
+    torch.testing.assert_close(changed[block], baseline[block])
+    earlier = features.clone()
+    earlier[anchor - 1] += 5.0  # the token right before the anchor is context
+    assert not torch.allclose(drafter(earlier, row, embed_tokens)[block], baseline[block])
+
+
+def test_gradients_reach_every_parameter_and_are_finite(sliding_setup):
+    drafter, embed_tokens, lm_head, row, features = sliding_setup
+    hidden = drafter(features, row, embed_tokens)
+    lm_head(hidden).logsumexp(-1).mean().backward()
+    for name, parameter in drafter.named_parameters():
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), name
+        assert parameter.grad.abs().sum() > 0, name
+    drafter.zero_grad(set_to_none=True)
+    assert embed_tokens.weight.grad is None and lm_head.weight.grad is None
+
+
+def test_flex_backend_equals_the_cpu_dense_backend(sliding_setup):
+    drafter, embed_tokens, _, row, features = sliding_setup
+    dense = drafter(features, row, embed_tokens)
+    drafter.attention_backend = "flex"
+    try:
+        flex = drafter(features, row, embed_tokens)
+    finally:
+        drafter.attention_backend = None
+    valid = row.anchor_valid
+    torch.testing.assert_close(flex[valid], dense[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_inference_path_matches_the_training_forward(sliding_setup):
+    drafter, embed_tokens, lm_head, row, features = sliding_setup
+    with torch.no_grad():
+        training_logits = lm_head(drafter(features, row, embed_tokens))
+    for block in range(int(row.anchor_valid.sum())):
+        anchor = int(row.anchor_positions[block])
+        start = anchor - int(row.position_ids[anchor])  # the anchor's document starts here
+        cache = drafter.new_cache()
+        # the context arrives in pieces, as it does round after round in speculative decoding
+        for lo, hi in ((start, (start + anchor) // 2), ((start + anchor) // 2, anchor)):
+            if hi > lo:
+                drafter.extend_context(features[lo:hi], row.position_ids[lo:hi], cache)
+        assert cache.length == anchor - start
+        logits = drafter.draft_logits(
+            cache, row.input_ids[anchor], int(row.position_ids[anchor]), embed_tokens, lm_head
+        )
+        torch.testing.assert_close(logits, training_logits[block, 1:], rtol=1e-4, atol=1e-4)
+        draft = drafter.draft(
+            cache, int(row.input_ids[anchor]), int(row.position_ids[anchor]), embed_tokens, lm_head
+        )
+        assert draft.shape == (BLOCK - 1,) and torch.equal(draft, logits.argmax(-1))
+
+
+def test_bench_drafter_runs_on_cpu_with_the_tiny_config():
+    from app.cli import cli
+
+    result = CliRunner().invoke(
+        cli, ["bench", "drafter", "configs/tiny.toml", "train.anchors=16", "--steps", "2", "--warmup", "1"]
+    )
+    assert result.exit_code == 0, result.output
+    for field in (
+        "step time (median of 2)",
+        "query tokens/s",
+        "context tokens/s",
+        "fc (context features -> hidden)",
+        "attention (unmasked pairs)",
+        "lm_head (supervised slots)",
+        "achieved TFLOP/s",
+        "% of 790 peak",
+        "peak memory",
+        "first call",
+    ):
+        assert field in result.output, field

@@ -1,0 +1,260 @@
+"""The objective: labels, decayed weights, chunked LM head + CE (values, gradients, memory), metrics, noise."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from app.bench.rows import synthetic_row
+from app.config import default_gamma, validate_config
+from app.config.schema import TrainConfig
+from app.data.batch import FeatureBatch
+from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.objective import (
+    block_labels,
+    block_metrics,
+    chunked_lm_head_ce,
+    drafter_loss,
+    feature_noise_std,
+    slot_weights,
+)
+
+VOCAB, HIDDEN, BLOCK = 257, 32, 5
+
+
+def make_row(seed, token_budget=128, anchors=12, valid=9):
+    generator = torch.Generator().manual_seed(seed)
+    return synthetic_row(
+        token_budget, anchors, VOCAB, num_documents=3, padding=7, valid_anchors=valid, generator=generator
+    )
+
+
+def reference_labels(row, block_size):
+    """Slot k of anchor a: the token at a + k, if it exists, is in a's document and is supervised."""
+    length = row.input_ids.shape[0]
+    labels, supervised = [], []
+    for anchor, valid in zip(row.anchor_positions.tolist(), row.anchor_valid.tolist(), strict=True):
+        block_labels_, block_supervised = [], []
+        for k in range(1, block_size):
+            target = anchor + k
+            ok = (
+                valid
+                and target < length
+                and row.document_ids[target] == row.document_ids[anchor]
+                and bool(row.loss_mask[target])
+            )
+            block_supervised.append(ok)
+            block_labels_.append(int(row.input_ids[target]) if ok else 0)
+        labels.append(block_labels_)
+        supervised.append(block_supervised)
+    return torch.tensor(labels), torch.tensor(supervised)
+
+
+def test_block_labels_follow_the_rule():
+    # anchors near the row's end and at document ends make every exclusion happen
+    row = make_row(0, anchors=40, valid=36)
+    labels, supervised = block_labels(row, BLOCK)
+    expected_labels, expected_supervised = reference_labels(row, BLOCK)
+    assert torch.equal(supervised, expected_supervised)
+    assert torch.equal(labels, expected_labels)
+    assert not supervised[~row.anchor_valid].any()
+
+
+def test_slot_weights_decay_from_the_first_predicted_slot():
+    weights = slot_weights(BLOCK, 2.0, "cpu")
+    assert torch.allclose(weights, torch.tensor([math.exp(-k / 2.0) for k in range(BLOCK - 1)]))
+    assert weights[0] == 1.0
+
+
+def naive_weighted_ce(hidden, lm_head, labels, weights):
+    logits = lm_head(hidden)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    return (ce * weights.reshape(-1)).sum(), logits.argmax(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_ce_equals_the_full_logits_computation(chunk_size, bias):
+    generator = torch.Generator().manual_seed(chunk_size)
+    lm_head = nn.Linear(HIDDEN, VOCAB, bias=bias).requires_grad_(False)
+    hidden = torch.randn(7, BLOCK - 1, HIDDEN, generator=generator, requires_grad=True)
+    labels = torch.randint(0, VOCAB, (7, BLOCK - 1), generator=generator)
+    weights = torch.rand(7, BLOCK - 1, generator=generator) * (
+        torch.rand(7, BLOCK - 1, generator=generator) > 0.3
+    )
+    loss, predictions = chunked_lm_head_ce(hidden, lm_head, labels, weights, chunk_size)
+    (2.5 * loss).backward()
+    chunked_grad, hidden.grad = hidden.grad, None
+    expected, expected_predictions = naive_weighted_ce(hidden, lm_head, labels, weights)
+    (2.5 * expected).backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(chunked_grad, hidden.grad)
+    assert torch.equal(predictions, expected_predictions)
+    assert lm_head.weight.grad is None
+
+
+def test_the_lm_head_must_be_frozen():
+    with pytest.raises(ValueError, match="must be frozen"):
+        chunked_lm_head_ce(
+            torch.zeros(2, 3, HIDDEN), nn.Linear(HIDDEN, VOCAB), torch.zeros(2, 3).long(), torch.ones(2, 3), 1
+        )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = validate_config(
+        {
+            "target": {
+                "architecture": {
+                    "model_type": "qwen3",
+                    "vocab_size": VOCAB,
+                    "hidden_size": HIDDEN,
+                    "intermediate_size": 48,
+                    "num_hidden_layers": 6,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 1,
+                    "head_dim": 16,
+                }
+            },
+            "drafter": {"num_layers": 1, "block_size": BLOCK, "mask_token_id": 4, "target_layer_ids": [2]},
+            "data": {"token_budget": 128, "max_length": 64},
+            "train": {"anchors": 12},
+        }
+    )
+    drafter = DFlashDrafter(DrafterArch.from_config(config), seed=0)
+    generator = torch.Generator().manual_seed(3)
+    embed_tokens = nn.Embedding(VOCAB, HIDDEN).requires_grad_(False)
+    lm_head = nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False)
+    for module in (embed_tokens, lm_head):
+        module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+    batch = FeatureBatch(row=make_row(1), features=torch.randn(128, HIDDEN, generator=generator))
+    return drafter, embed_tokens, lm_head, batch
+
+
+def test_drafter_loss_is_the_decayed_block_ce(setup):
+    drafter, embed_tokens, lm_head, batch = setup
+    output = drafter_loss(drafter, batch, embed_tokens, lm_head, gamma=3.0, chunk_size=5)
+    output.loss.backward()
+    grads = {name: parameter.grad.clone() for name, parameter in drafter.named_parameters()}
+    drafter.zero_grad(set_to_none=True)
+
+    labels, supervised = reference_labels(batch.row, BLOCK)
+    decay = torch.tensor([math.exp(-(k - 1) / 3.0) for k in range(1, BLOCK)])
+    logits = lm_head(drafter(batch.features, batch.row, embed_tokens)[:, 1:])
+    ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view_as(labels)
+    weights = supervised * decay
+    expected = (ce * weights).sum() / weights.sum()
+    expected.backward()
+    torch.testing.assert_close(output.loss, expected)
+    for name, parameter in drafter.named_parameters():
+        torch.testing.assert_close(grads[name], parameter.grad, msg=name)
+    drafter.zero_grad(set_to_none=True)
+
+    predictions = logits.argmax(-1)
+    correct = (predictions == labels) & supervised
+    assert output.acc.item() == pytest.approx(correct.sum().item() / supervised.sum().item())
+    streaks = []
+    for block in range(labels.shape[0]):
+        if not batch.row.anchor_valid[block]:
+            continue
+        streak = 0
+        while streak < BLOCK - 1 and correct[block, streak]:
+            streak += 1
+        streaks.append(streak)
+    assert output.streak.item() == pytest.approx(sum(streaks) / len(streaks))
+    assert output.supervised_tokens.item() == supervised.sum().item()
+    assert output.noise == 0.0 and output.acc.grad_fn is None
+
+
+def test_acc_and_streak_by_hand():
+    labels = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]])
+    predictions = torch.tensor([[5, 6, 0, 8], [1, 0, 3, 4], [9, 9, 9, 9]])
+    supervised = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+    anchor_valid = torch.tensor([True, True, False])
+    acc, streak = block_metrics(predictions, labels, supervised, anchor_valid)
+    assert acc.item() == pytest.approx(6 / 7)  # 3 of 4 in block 0, all 3 supervised ones in block 1
+    # block 0 stops at its first wrong slot (2), block 1 at its first unsupervised one (1); block 2 is unused
+    assert streak.item() == pytest.approx((2 + 1) / 2)
+
+
+def test_gamma_defaults_by_block_size(setup):
+    drafter, embed_tokens, lm_head, batch = setup
+    default = drafter_loss(drafter, batch, embed_tokens, lm_head, chunk_size=4).loss
+    explicit = drafter_loss(
+        drafter, batch, embed_tokens, lm_head, gamma=default_gamma(BLOCK), chunk_size=4
+    ).loss
+    other = drafter_loss(drafter, batch, embed_tokens, lm_head, gamma=0.5, chunk_size=4).loss
+    assert default.item() == explicit.item() and default.item() != other.item()
+
+
+def test_nothing_supervised_gives_zero_loss_and_zero_gradients(setup):
+    drafter, embed_tokens, lm_head, batch = setup
+    row = make_row(1, valid=0)
+    output = drafter_loss(drafter, FeatureBatch(row, batch.features), embed_tokens, lm_head, chunk_size=4)
+    output.loss.backward()
+    assert output.loss.item() == 0.0 and output.supervised_tokens.item() == 0
+    assert output.acc.item() == 0.0 and output.streak.item() == 0.0
+    assert all(torch.count_nonzero(parameter.grad) == 0 for parameter in drafter.parameters())
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_feature_noise_schedule_and_replay(setup):
+    constant = TrainConfig(feature_noise_std=0.2)
+    decaying = TrainConfig(feature_noise_std=0.2, feature_noise_decay_steps=100)
+    assert feature_noise_std(constant, 0) == feature_noise_std(constant, 10_000) == 0.2
+    assert [feature_noise_std(decaying, step) for step in (0, 50, 100, 150)] == pytest.approx(
+        [0.2, 0.1, 0.0, 0.0]
+    )
+
+    drafter, embed_tokens, lm_head, batch = setup
+
+    def loss(noise_std, seed):
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            return drafter_loss(
+                drafter, batch, embed_tokens, lm_head, chunk_size=4, noise_std=noise_std, generator=generator
+            )
+
+    clean, noisy, replay, other = loss(0.0, 0), loss(0.5, 0), loss(0.5, 0), loss(0.5, 1)
+    assert noisy.noise == 0.5
+    assert noisy.loss.item() == replay.loss.item()  # the same generator state replays the same noise
+    assert len({clean.loss.item(), noisy.loss.item(), other.loss.item()}) == 3
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest storage any op allocates (CPU-only memory accounting)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.largest = max(self.largest, tensor.untyped_storage().nbytes())
+        return output
+
+
+def largest_loss_allocation(anchors, chunk_size, vocab=4096, hidden_size=16):
+    generator = torch.Generator().manual_seed(0)
+    lm_head = nn.Linear(hidden_size, vocab, bias=False).requires_grad_(False)
+    hidden = torch.randn(anchors, BLOCK - 1, hidden_size, generator=generator, requires_grad=True)
+    labels = torch.randint(0, vocab, (anchors, BLOCK - 1), generator=generator)
+    weights = torch.ones(anchors, BLOCK - 1) / (anchors * (BLOCK - 1))
+    with LargestTensor() as probe:
+        loss, _ = chunked_lm_head_ce(hidden, lm_head, labels, weights, chunk_size)
+        loss.backward()
+    return probe.largest
+
+
+def test_loss_memory_grows_with_the_chunk_not_with_the_anchors():
+    chunk_logits = 4 * (BLOCK - 1) * 4096 * 4  # 4 anchors x 4 slots x vocab, fp32
+    assert largest_loss_allocation(anchors=16, chunk_size=4) == chunk_logits
+    assert largest_loss_allocation(anchors=64, chunk_size=4) == chunk_logits  # 4x the anchors: same peak
+    assert largest_loss_allocation(anchors=64, chunk_size=8) == 2 * chunk_logits  # 2x the chunk: 2x the peak
+    assert largest_loss_allocation(anchors=64, chunk_size=64) == 16 * chunk_logits  # unchunked, for contrast

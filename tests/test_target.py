@@ -1,0 +1,175 @@
+"""The frozen target wrapper: layer taps (offset, early stop), Qwen3 and Qwen3.5 configs, sources, errors."""
+
+import pytest
+import torch
+from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
+
+from app.config import validate_config
+from app.errors import UserError
+from app.model.target import TargetModel, load_target, target_text_config
+
+TEXT = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+}
+LINEAR_ATTENTION = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "full_attention_interval": 2,  # layers 0, 2 linear attention; 1, 3 full attention
+}
+ARCHITECTURES = {
+    "qwen3": {"model_type": "qwen3", **TEXT},
+    "qwen3_5_text": {"model_type": "qwen3_5_text", **TEXT, **LINEAR_ATTENTION},
+    "qwen3_5": {"model_type": "qwen3_5", "text_config": {**TEXT, **LINEAR_ATTENTION}},
+}
+
+
+def config_for(target, layer_ids=None, num_layers=3):
+    drafter = {"num_layers": num_layers, "mask_token_id": 3}
+    if layer_ids is not None:
+        drafter["target_layer_ids"] = layer_ids
+    return validate_config({"target": target, "drafter": drafter})
+
+
+def batch(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 128, (2, 11), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 7:] = 0  # right padding, as target batches are
+    return input_ids, attention_mask
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(config_for({"architecture": ARCHITECTURES["qwen3"]}, [0, 2, 3]), "cpu")
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_features_are_the_outputs_of_the_tapped_layers(architecture):
+    target = load_target(config_for({"architecture": ARCHITECTURES[architecture]}, [0, 2, 3]), "cpu")
+    outputs = {}
+    layer = target.model.get_decoder().layers[2]
+    handle = layer.register_forward_hook(lambda module, args, output: outputs.setdefault("layer 2", output))
+    try:
+        features = target.features(*batch())
+    finally:
+        handle.remove()
+    layer_output = outputs["layer 2"][0] if isinstance(outputs["layer 2"], tuple) else outputs["layer 2"]
+    hidden_states = target.model(*batch(), output_hidden_states=True).hidden_states
+    assert features.shape == (2, 11, 3 * 32) and features.dtype == torch.float32
+    # HF's hidden_states[i + 1] is the output of decoder layer i (index 0 is the embeddings) ...
+    torch.testing.assert_close(hidden_states[3], layer_output)
+    assert not torch.allclose(hidden_states[2], layer_output)
+    # ... and features are exactly those, concatenated in the configured order (the last layer included)
+    torch.testing.assert_close(features, torch.cat([hidden_states[i + 1] for i in (0, 2, 3)], dim=-1))
+
+
+def test_forward_stops_after_the_deepest_tapped_layer():
+    target = load_target(config_for({"architecture": ARCHITECTURES["qwen3"]}, [0, 1], num_layers=2), "cpu")
+    ran = []
+    decoder = target.model.get_decoder()
+    handles = [
+        decoder.layers[2].register_forward_hook(lambda *args: ran.append("layer 2")),
+        decoder.norm.register_forward_hook(lambda *args: ran.append("final norm")),
+    ]
+    try:
+        features = target.features(*batch())
+        assert ran == [] and features.shape == (2, 11, 64)
+        target.model(*batch())  # an early stop leaves the model usable as usual
+        assert ran == ["layer 2", "final norm"]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def test_target_is_frozen_and_exposes_what_the_drafter_borrows(target):
+    assert not any(parameter.requires_grad for parameter in target.model.parameters())
+    assert not target.model.training
+    with torch.enable_grad():
+        assert target.features(*batch()).grad_fn is None
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 32, 128)
+    assert target.layer_ids == [0, 2, 3]
+    assert target.embed_tokens.weight.shape == (128, 32) and target.lm_head.weight.shape == (128, 32)
+    assert target.dtype == torch.float32 and target.device.type == "cpu"
+
+
+def test_random_targets_are_seeded():
+    architecture = {"architecture": ARCHITECTURES["qwen3"], "seed": 7}
+    first = load_target(config_for(architecture, [1]), "cpu")
+    second = load_target(config_for(architecture, [1]), "cpu")
+    other = load_target(config_for({**architecture, "seed": 8}, [1]), "cpu")
+    pairs = zip(first.model.parameters(), second.model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert not torch.equal(first.embed_tokens.weight, other.embed_tokens.weight)
+
+
+def test_default_layer_ids_are_spread_over_the_target():
+    six_layers = {"model_type": "qwen3", **TEXT, "num_hidden_layers": 6}
+    target = load_target(config_for({"architecture": six_layers}, num_layers=2), "cpu")
+    assert target.layer_ids == [1, 3]
+    with pytest.raises(UserError, match=r"must not repeat a layer, got \[1, 1\] \(the default spread"):
+        load_target(config_for({"architecture": ARCHITECTURES["qwen3"]}, num_layers=2), "cpu")
+
+
+def test_loads_a_local_checkpoint(tmp_path, target):
+    target.model.save_pretrained(tmp_path / "model")
+    loaded = load_target(config_for({"path": str(tmp_path / "model")}, [0, 2, 3]), "cpu")
+    torch.testing.assert_close(loaded.features(*batch()), target.features(*batch()))
+    assert target_text_config(config_for({"path": str(tmp_path / "model")}).target).num_hidden_layers == 4
+
+
+def test_loads_a_multimodal_qwen3_5_checkpoint_as_a_causal_lm(tmp_path):
+    config = AutoConfig.for_model(
+        "qwen3_5",
+        text_config={**TEXT, **LINEAR_ATTENTION},
+        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "out_hidden_size": 32},
+    )
+    torch.manual_seed(0)
+    full = Qwen3_5ForConditionalGeneration(config).eval()
+    full.save_pretrained(tmp_path / "vlm")  # weights under model.language_model.*, as Qwen3.5/3.6 ship
+    loaded = load_target(config_for({"path": str(tmp_path / "vlm")}, [1, 2]), "cpu")
+    with torch.no_grad():
+        reference = full(*batch(), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(loaded.features(*batch()), torch.cat([reference[2], reference[3]], dim=-1))
+
+
+def test_bad_target_paths_are_one_line_user_errors(tmp_path):
+    with pytest.raises(UserError, match="is not a directory"):
+        load_target(config_for({"path": str(tmp_path / "missing")}, [0]), "cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"has no config\.json"):
+        load_target(config_for({"path": str(tmp_path / "empty")}, [0]), "cpu")
+    (tmp_path / "config-only").mkdir()
+    AutoConfig.for_model(**ARCHITECTURES["qwen3"]).save_pretrained(tmp_path / "config-only")
+    with pytest.raises(UserError, match=r"has no weights \(expected \*.safetensors"):
+        load_target(config_for({"path": str(tmp_path / "config-only")}, [0]), "cpu")
+
+
+def test_layer_ids_out_of_range_are_user_errors(target):
+    with pytest.raises(UserError, match=r"must be non-empty and in \[0, 4\) .* got \[1, 4\]"):
+        TargetModel(target.model, [1, 4])
+    with pytest.raises(UserError, match=r"drafter\.target_layer_ids"):
+        validate_config(
+            {
+                "target": {"architecture": ARCHITECTURES["qwen3"]},
+                "drafter": {"mask_token_id": 3, "target_layer_ids": [9]},
+            }
+        )
+
+
+@pytest.mark.slow  # trains the built-in target on first use (about a minute on 2 cores), cached afterwards
+def test_builtin_tiny_lm_target():
+    target = load_target(
+        validate_config({"target": {"builtin": "tiny-lm"}, "drafter": {"num_layers": 2, "mask_token_id": 3}}),
+        "cpu",
+    )
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (6, 128, 2048)
+    assert target.layer_ids == [1, 3]
+    assert target.features(*batch()).shape == (2, 11, 2 * 128)
