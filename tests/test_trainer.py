@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 from app.checkpoint.store import checkpoint_root, complete_checkpoints
 from app.config import load_config
 from app.errors import UserError
-from app.train.trainer import Trainer
+from app.train.trainer import Trainer, TrainingStopped
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "tiny_loss_curve.json"
@@ -44,19 +46,42 @@ def drafter_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in trainer.drafter.state_dict().items()}
 
 
-def test_resume_continues_exactly(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
-    """6 steps straight == 3 steps, a new process-like Trainer resuming, 3 more steps (losses and weights)."""
+class StopAtStep:
+    """A reporter that sends this process a real SIGTERM once `step` is logged (a preempted job)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_start(self, run_dir, config, fingerprint) -> None:
+        pass
+
+    def on_log(self, record) -> None:
+        if record.get("step") == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_checkpoint(self, path, step) -> None:
+        pass
+
+    def on_exit(self, reason, step) -> None:
+        pass
+
+
+def test_sigterm_then_resume_continues_exactly(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
+    """6 steps straight == SIGTERM at step 3 (checkpointed) + a new Trainer resuming for the rest: same losses, same weights."""
     straight = Trainer(small_config(tiny_conversations, tmp_path / "a", "train.max_steps=6"), log=quiet)
     straight_losses = straight.run().losses
 
-    first = Trainer(small_config(tiny_conversations, tmp_path / "b", "train.max_steps=3"), log=quiet)
-    first_losses = first.run().losses
-    resumed = Trainer(
-        small_config(tiny_conversations, tmp_path / "b", "train.max_steps=6"), resume=True, log=quiet
-    )
+    config = small_config(tiny_conversations, tmp_path / "b", "train.max_steps=6", "telemetry.log_every=1")
+    first = Trainer(config, log=quiet, reporters=[StopAtStep(3)])
+    with pytest.raises(TrainingStopped, match="stopped by signal at step 3"):
+        first.run()
+    resumed = Trainer(config, resume=True, log=quiet)
     assert resumed.step == 3
     rest = resumed.run().losses
 
+    first_losses = [
+        json.loads(line)["loss"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    ][:3]
     assert first_losses + rest == straight_losses
     for name, weight in drafter_weights(straight).items():
         assert torch.equal(weight, drafter_weights(resumed)[name]), name
@@ -134,7 +159,7 @@ def test_empty_dataset_is_refused_before_any_model_loads(tiny_tokenizer_dir, tmp
         f'[target]\npath = "{tmp_path / "no-such-model"}"\ntokenizer = "{tiny_tokenizer_dir}"\n'
         f"[drafter]\nmask_token_id = 3\nblock_size = 4\n"
         f'[data]\ntrain_files = ["{data}"]\ntoken_budget = 256\nmax_length = 256\n'
-        f'[train]\noutput_dir = "{tmp_path / "run"}"\ndevice = "cpu"\n'
+        f'[train]\nanchors = 16\noutput_dir = "{tmp_path / "run"}"\ndevice = "cpu"\n'
     )
     with pytest.raises(UserError, match=r"short\.jsonl"):
         Trainer(load_config(config_file), log=quiet)

@@ -46,7 +46,9 @@ def regenerate(
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        responses = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+        responses = tokenizer.batch_decode(
+            output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+        )
         for prompt, response in zip(chunk, responses, strict=True):
             records.append(
                 [{"role": "user", "content": prompt}, {"role": "assistant", "content": response.strip()}]

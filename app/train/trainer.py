@@ -29,6 +29,8 @@ from app.data.batching import BatchPlanner, DataCursor, PlannedBatch
 from app.data.dataset import load_training_data, tokenizer_fingerprint
 from app.data.tokenize import pad_token_id
 from app.errors import UserError
+from app.evaluate.prompts import prompts_from_dataset
+from app.evaluate.speculative import evaluate_tau
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import drafter_loss, feature_noise_std
 from app.model.target import TargetModel, load_target
@@ -236,6 +238,7 @@ class Trainer:
             f"{self.planner.total_batches(1)} batches), resuming at step {self.step}"
         )
         losses: list[float] = []
+        evals: list[dict[str, Any]] = []
         window = _Window(time.monotonic(), self.step, 0, 0)
         pending: list[tuple[PlannedBatch, StepOutput]] = []
         started = time.monotonic()
@@ -254,6 +257,8 @@ class Trainer:
                     window = _Window(
                         time.monotonic(), self.step, source.stats.target_batches, source.stats.real_tokens
                     )
+                if train.eval_every and self.step % train.eval_every == 0:
+                    evals.append(self.evaluate())
                 if self.step % train.save_every == 0 or self._stop_requested:
                     checkpoint = self.save()
                 if self._stop_requested:
@@ -275,7 +280,7 @@ class Trainer:
             for reporter in self.reporters:
                 reporter.on_exit(exit_reason, self.step)
         self.log(f"done: {self.step} steps in {time.monotonic() - started:.0f}s; checkpoint {checkpoint}")
-        return TrainResult(self.run_dir, self.step, checkpoint, losses)
+        return TrainResult(self.run_dir, self.step, checkpoint, losses, evals)
 
     def _log(
         self,
@@ -322,6 +327,36 @@ class Trainer:
         for reporter in self.reporters:
             reporter.on_log(record)
         return losses
+
+    # ---- eval -------------------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, Any]:
+        """Acceptance length tau of the current drafter on held-out prompts (greedy speculative decoding)."""
+        train = self.config.train
+        prompts = prompts_from_dataset(self.eval_data, train.eval_prompts)
+        autocast = torch.bfloat16 if self.device.type == "cuda" and train.precision == "bf16" else None
+        self.drafter.eval()
+        try:
+            result = evaluate_tau(
+                self.target,
+                self.drafter,
+                prompts,
+                train.eval_max_new_tokens,
+                self.tokenizer.eos_token_id,
+                autocast,
+            )
+        finally:
+            self.drafter.train()
+        record = {
+            "step": self.step,
+            "eval": {"tau": result.tau, "rounds": result.rounds, "generated_tokens": result.generated_tokens},
+        }
+        self.log(
+            f"eval step={self.step}: tau={result.tau:.3f} over {result.rounds} rounds of {len(prompts)} prompts"
+        )
+        for reporter in self.reporters:
+            reporter.on_log(record)
+        return record["eval"]
 
     # ---- checkpoints --------------------------------------------------------------------------------
 

@@ -1,0 +1,22 @@
+"""`dflash demo [overrides]`: the CPU demo, the README's main-job command."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def demo(
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="section.field=value overrides of configs/tiny.toml.")
+    ] = None,
+    prompts: Annotated[int, typer.Option(help="Conversations the tiny target regenerates.")] = 256,
+) -> None:
+    """Build a tiny target, regenerate data with it, train a drafter, print tau before/after and export it.
+
+    Runs on CPU in a few minutes with nothing downloaded (the first run also builds the tiny target).
+    """
+    from app.demo.run import run_demo
+
+    run_demo(overrides=overrides or [], prompts=prompts, log=lambda line: print(line, flush=True))

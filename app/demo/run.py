@@ -1,0 +1,102 @@
+"""`dflash demo`: the whole flow on CPU in a few minutes, with nothing downloaded.
+
+1. build the tiny target (a small Qwen3 trained on the locked torch package's docstrings; cached);
+2. regenerate a small dataset with that target (its own greedy answers, as datagen does with SGLang);
+3. measure tau of an untrained drafter on held-out prompts;
+4. train the drafter with configs/tiny.toml;
+5. measure tau again and export the drafter in the HF DFlash format.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from app.config import load_config
+from app.demo.regenerate import regenerate
+from app.model.tiny_lm import PROMPT_WORDS, ensure_tiny_lm
+from app.model.tiny_tokenizer import corpus_paragraphs
+
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
+
+
+@dataclass
+class DemoResult:
+    tau_before: float
+    tau_after: float
+    export_dir: Path
+    seconds: float
+
+
+def run_demo(
+    config_path: Path = DEMO_CONFIG,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    prompts: int = 256,
+    max_new_tokens: int = 48,
+    log: Callable[[str], None] = print,
+) -> DemoResult:
+    from app.evaluate.prompts import prompts_from_dataset
+    from app.evaluate.speculative import evaluate_tau
+    from app.export.hf_dflash import export_drafter
+    from app.train.trainer import Trainer
+
+    started = time.monotonic()
+    config = load_config(config_path, list(overrides))
+    log("[1/5] tiny target: building or loading the built-in tiny-lm (first run: a few minutes)")
+    target_dir = ensure_tiny_lm(progress=log)
+
+    data_dir = Path(config.data.train_files[0])
+    log(f"[2/5] regenerating {prompts} conversations with the target into {data_dir}")
+    _regenerate(target_dir, data_dir, prompts, max_new_tokens, log)
+
+    log("[3/5] tau of an untrained drafter (greedy speculative decoding on held-out prompts)")
+    shutil.rmtree(config.train.output_dir, ignore_errors=True)  # the demo always trains from scratch
+    trainer = Trainer(config, log=log)
+    held_out = prompts_from_dataset(trainer.eval_data, config.train.eval_prompts)
+    eos = trainer.tokenizer.eos_token_id
+    before = evaluate_tau(
+        trainer.target, trainer.drafter.eval(), held_out, config.train.eval_max_new_tokens, eos
+    )
+    trainer.drafter.train()
+    log(f"      tau before training: {before.tau:.3f}")
+
+    log(f"[4/5] training the drafter ({trainer.total_steps} steps)")
+    trainer.run()
+
+    log("[5/5] tau after training, and export")
+    after = evaluate_tau(
+        trainer.target, trainer.drafter.eval(), held_out, config.train.eval_max_new_tokens, eos
+    )
+    export_dir = export_drafter(
+        trainer.drafter, Path(config.train.output_dir) / "export", trainer.target.model.config
+    )
+    seconds = time.monotonic() - started
+    for line in after.describe():
+        log("      " + line)
+    log(
+        f"demo done in {seconds:.0f}s: tau {before.tau:.2f} -> {after.tau:.2f} "
+        f"(block size {config.drafter.block_size}); exported drafter: {export_dir}"
+    )
+    return DemoResult(before.tau, after.tau, export_dir, seconds)
+
+
+def _regenerate(
+    target_dir: Path, data_dir: Path, prompts: int, max_new_tokens: int, log: Callable[[str], None]
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    # The target's own prompt style: the opening words of a paragraph it was trained on.
+    openings = [
+        "Continue: " + " ".join(paragraph.split()[:PROMPT_WORDS])
+        for paragraph in corpus_paragraphs()
+        if len(paragraph.split()) > PROMPT_WORDS
+    ]
+    regenerate(model, tokenizer, openings[:prompts], data_dir, max_new_tokens=max_new_tokens, progress=log)
