@@ -22,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from app.atomic import write_bytes_atomic
 from app.errors import UserError
 
 SHARD_GLOB = "part-*.parquet"
@@ -111,7 +112,7 @@ class ShardStore:
                     f"datagen.output_dir: {self.output_dir} holds records made with other settings ({detail}); "
                     "use a new output_dir or the same settings"
                 )
-        _write_atomic(self.manifest_path, json.dumps(settings, indent=2, sort_keys=True).encode())
+        write_bytes_atomic(self.manifest_path, json.dumps(settings, indent=2, sort_keys=True).encode())
 
     def write_shard(self, rows: list[dict[str, Any]]) -> Path:
         """Commit `rows` as the next shard: written under a temp name, fsynced, then renamed."""
@@ -130,7 +131,7 @@ class ShardStore:
             self.rejects_path.unlink(missing_ok=True)
             return
         lines = "".join(json.dumps(entry, ensure_ascii=False) + "\n" for entry in rejects.values())
-        _write_atomic(self.rejects_path, lines.encode())
+        write_bytes_atomic(self.rejects_path, lines.encode())
 
     def _read_rejects(self) -> dict[str, dict[str, Any]]:
         if not self.rejects_path.is_file():
@@ -160,12 +161,6 @@ def _shard_index(shard: Path) -> int:
     if not digits.isdigit():
         raise UserError(f"{shard}: unexpected shard name (expected part-NNNNNN.parquet); move it away")
     return int(digits)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_bytes(data)
-    _fsync_and_replace(temp, path)
 
 
 def _fsync_and_replace(temp: Path, path: Path) -> None:

@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from app.atomic import write_json_atomic
 from app.env.gpus import probe_gpus
 from app.env.packages import installed_distributions, locked_versions, package_drift
 from app.env.project import find_project_root, git_revision, sha256_of
@@ -107,16 +108,7 @@ def save_fingerprint(fingerprint: dict[str, Any], path: str | Path) -> Path:
     """Write atomically (temp file, then rename); a directory gets `fingerprint.json` inside it."""
     path = Path(path)
     file = path / FINGERPRINT_FILENAME if path.is_dir() else path
-    file.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temp_name = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            json.dump(fingerprint, handle, indent=2)
-            handle.write("\n")
-        os.replace(temp_name, file)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    write_json_atomic(file, fingerprint)
     return file
 
 
