@@ -32,3 +32,23 @@ def drafter(
     resolved = load_config(config, overrides or [])
     result = run_drafter_bench(resolved, steps=steps, warmup=warmup, peak_tflops=peak_tflops)
     print(format_report(result))
+
+
+@group.command("data")
+def data(
+    out_dir: Annotated[str, typer.Argument(help="Directory for tokenizer/ and train.jsonl.")],
+    conversations: Annotated[int, typer.Option("--conversations", min=1, help="Records to write.")] = 2000,
+    mean_words: Annotated[
+        int, typer.Option("--mean-words", min=8, help="Mean assistant-turn length in words.")
+    ] = 800,
+) -> None:
+    """Write a tokenizer and synthetic conversations for throughput runs with a random-weight target.
+
+    Use them as `target.tokenizer=OUT/tokenizer data.train_files=['OUT/train.jsonl']`.
+    """
+    from pathlib import Path
+
+    from app.bench.synthetic_data import write_benchmark_data
+
+    tokenizer_dir, data_file = write_benchmark_data(Path(out_dir), conversations, mean_words)
+    print(f"target.tokenizer={tokenizer_dir} data.train_files=['{data_file}']")

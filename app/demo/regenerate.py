@@ -50,10 +50,12 @@ def regenerate(
             output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
         )
         for prompt, response in zip(chunk, responses, strict=True):
-            records.append(
-                [{"role": "user", "content": prompt}, {"role": "assistant", "content": response.strip()}]
-            )
-        progress(f"regenerated {min(start + batch_size, len(prompts))}/{len(prompts)} conversations")
+            if response.strip():  # an empty answer teaches nothing (datagen counts it as a failure too)
+                records.append(
+                    [{"role": "user", "content": prompt}, {"role": "assistant", "content": response.strip()}]
+                )
+        done = min(start + batch_size, len(prompts))
+        progress(f"regenerated {done}/{len(prompts)} conversations ({done - len(records)} empty answers dropped)")
     return _write_shard(records, out_dir)
 
 
