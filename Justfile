@@ -27,3 +27,11 @@ doctor *args:
 # print a resolved config: just config configs/qwen3-8b-h200.toml train.lr=1e-4
 config file=config *overrides:
     ./uvw run dflash config show {{file}} {{overrides}}
+
+# build the CPU image and run the image tests on a real Docker engine (starts one, as root, when none answers)
+image-smoke *args:
+    scripts/image-smoke.sh {{args}}
+
+# bake the compile cache of a config on this GPU model into compile_cache/<key>/ (a no-op when it matches)
+build-cache file=config *overrides:
+    ./uvw run dflash build-cache {{file}} {{overrides}}

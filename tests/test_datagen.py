@@ -69,7 +69,7 @@ def user_prompts(count: int, prefix: str = "prompt") -> list[dict[str, Any]]:
 
 def make_config(prompts: Path, output: Path, servers: list[str], **fields: Any) -> DatagenConfig:
     return DatagenConfig(
-        prompts=[str(prompts)], output_dir=str(output), servers=servers, max_tokens=8, **{**FAST, **fields}
+        prompts=[str(prompts)], output_dir=str(output), servers=servers, **{"max_tokens": 8, **FAST, **fields}
     )
 
 
@@ -557,3 +557,35 @@ def test_one_run_per_output_dir(tmp_path: Path) -> None:
             ShardStore(tmp_path / "out").open()
     finally:
         holder.close()
+
+
+def test_regenerated_data_trains_with_dflash_train(
+    serve: TransformersServe, tiny_lm_dir, tmp_path: Path
+) -> None:
+    """datagen's output directory is valid `data.train_files` input: `dflash train` runs on it as is."""
+    from app.config import load_config
+    from app.train.trainer import Trainer
+
+    prompts = [
+        {"messages": [{"role": "user", "content": f"Tell me about module number {i}."}]} for i in range(12)
+    ]
+    output = tmp_path / "regenerated"
+    report = run_datagen(
+        make_config(
+            write_jsonl(tmp_path / "p.jsonl", prompts), output, [serve.url], max_tokens=24, shard_size=5
+        ),
+        quiet_console(),
+    )
+    assert report.done == 12
+
+    root = Path(__file__).resolve().parents[1]
+    overrides = [
+        f"data.train_files=['{output}']", f"train.output_dir={tmp_path / 'run'}", "data.eval_holdout=2",
+        "drafter.num_layers=1", "drafter.block_size=4", "data.token_budget=256", "data.max_length=256",
+        "train.anchors=16", "train.max_steps=2", "train.eval_every=0", "telemetry.log_every=1",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(root / "configs" / "tiny.toml", overrides), log=lambda line: None)
+    # every regenerated record is usable training data (2 of them held out for eval)
+    assert trainer.train_data.summary.kept == 12 and len(trainer.train_data) == 10
+    result = trainer.run()
+    assert result.steps == 2 and all(loss == loss for loss in result.losses)

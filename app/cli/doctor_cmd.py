@@ -18,6 +18,7 @@ from rich.table import Table
 from app.env import Difference
 
 if TYPE_CHECKING:
+    from app.config.schema import RunConfig
     from app.env import Finding
 
 _LEVEL_STYLE = {"problem": "bold red", "warning": "yellow", "info": "dim"}
@@ -39,12 +40,17 @@ def doctor(
         Path | None,
         typer.Option("--against", help="A recorded fingerprint: a JSON file or a run directory holding one."),
     ] = None,
+    config: Annotated[
+        str | None,
+        typer.Option("--config", help="A run config: also match the compile caches on its shapes."),
+    ] = None,
 ) -> None:
     """Fingerprint the environment (torch/CUDA/triton/transformers, GPUs, uv.lock, stray packages, caches)."""
     from app.env import assess, collect_fingerprint, diff_fingerprints, load_fingerprint, save_fingerprint
 
-    # Load first: a bad --against path is a usage error and should not cost a fingerprint.
+    # Load first: a bad --against path or config is a usage error and should not cost a fingerprint.
     recorded = load_fingerprint(against) if against is not None else None
+    run_config = _load_run_config(config)
     fingerprint = collect_fingerprint()
     if save is not None:
         saved_to = save_fingerprint(fingerprint, save)
@@ -70,7 +76,51 @@ def doctor(
         print(json.dumps(fingerprint, indent=2, default=str))
     else:
         _print_report(Console(), fingerprint, findings)
+        _print_compile_caches(Console(), run_config)
     raise typer.Exit(1 if any(finding.level == "problem" for finding in findings) else 0)
+
+
+def _load_run_config(path: str | None) -> RunConfig | None:
+    if path is None:
+        return None
+    from app.config import load_config
+
+    return load_config(path)
+
+
+def _print_compile_caches(console: Console, run_config: RunConfig | None) -> None:
+    """The baked caches in compile.cache_dir: which one this machine (and config) would load, and why
+    each other one would not."""
+    from app.compile.artifacts import list_entries
+    from app.config.schema import CompileConfig
+
+    cache_dir = Path((run_config.compile if run_config else CompileConfig()).cache_dir).expanduser()
+    console.print()
+    entries, broken = list_entries(cache_dir)
+    if not entries and not broken:
+        console.print(
+            f"compile caches: none in {cache_dir}/ (bake one with `dflash build-cache CONFIG`)",
+            highlight=False,
+        )
+        return
+    from app.compile.catalog import survey_this_machine
+
+    key, statuses, broken = survey_this_machine(cache_dir, run_config)
+    scope = "this machine and config" if run_config else "this machine (shapes not checked: pass --config)"
+    console.print(f"compile caches in {cache_dir}/, compared with {scope}:", highlight=False)
+    if key is not None:
+        console.print(f"  this run's key: {key}", highlight=False)
+    for status in statuses:
+        if status.matches:
+            console.print(f"  [green]matches[/]: {status.entry.describe()}", highlight=False)
+        else:
+            console.print(f"  [yellow]differs[/]: {status.entry.describe()}", highlight=False)
+            for difference in status.differences:
+                console.print(f"      {difference}", highlight=False)
+    for line in broken:
+        console.print(f"  [red]unusable[/]: {line}", highlight=False)
+    if not any(status.matches for status in statuses):
+        console.print("  [yellow]no cache matches[/]: training would compile from scratch", highlight=False)
 
 
 def _print_report(console: Console, fingerprint: dict[str, Any], findings: list[Finding]) -> None:

@@ -1,0 +1,282 @@
+"""Process start -> first optimizer step, cold (no cache) vs warm (baked cache, empty inductor dir).
+
+    python -m app.bench.compile_start run CONFIG [overrides] --workdir DIR [--steps 100] [--out FILE]
+
+Three fresh processes, one after the other, each on the config's exact shapes:
+1. cold: no baked cache, an empty inductor dir (what the incident's restart looked like);
+2. build: `dflash build-cache` into DIR/compile_cache;
+3. warm: the baked cache loaded into another empty inductor dir, then `--steps` steady-state steps
+   under the fail_on_recompile stance, each on a new packed row (new documents and anchors).
+Each start process builds what the trainer builds (target, drafter, fused AdamW), calls
+`prepare_compiled_training`, and times until its first optimizer step has finished on the GPU.
+Context features come from real target forwards of random tokens (a small pool, reused across the
+steady-state steps: the recompile question does not depend on their values). Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from app.config import RunConfig
+    from app.model.drafter import DFlashDrafter
+    from app.model.target import TargetModel
+
+RESULT_PREFIX = "BENCH-RESULT "
+SPAWNED_AT = "DFLASH_BENCH_SPAWNED_AT"
+FEATURE_POOL = 2
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.phase == "start":
+        _emit(run_start(args.config, args.overrides, args.steps))
+    elif args.phase == "build":
+        _emit(run_build(args.config, args.overrides))
+    else:
+        orchestrate(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "phase", choices=["run", "start", "build"], help="run: all three; start/build: one child process."
+    )
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument(
+        "--workdir", type=Path, required=True, help="Persistent scratch dir (not under /tmp)."
+    )
+    parser.add_argument("--steps", type=int, default=100, help="Steady-state steps of the warm run.")
+    parser.add_argument("--out", type=Path, help="Also write the results as JSON here.")
+    return parser
+
+
+def orchestrate(args: argparse.Namespace) -> None:
+    workdir = args.workdir.absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    cache = workdir / "compile_cache"
+    cold = [f"compile.cache_dir={workdir / 'no_cache'}", f"compile.inductor_dir={workdir / 'inductor-cold'}"]
+    warm = [f"compile.cache_dir={cache}", f"compile.inductor_dir={workdir / 'inductor-warm'}"]
+    results: dict[str, Any] = {}
+    plan = [
+        ("cold", ["start", "--steps", "3"], cold),
+        ("build", ["build"], [f"compile.cache_dir={cache}"]),
+        ("warm", ["start", "--steps", str(args.steps)], warm),
+    ]
+    for name, phase_args, overrides in plan:
+        print(f"=== {name}", flush=True)
+        results[name] = _child(phase_args, args.config, [*args.overrides, *overrides], workdir)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2, default=str))
+    print(format_table(results))
+
+
+def _child(phase_args: list[str], config: str, overrides: list[str], workdir: Path) -> dict[str, Any]:
+    phase, *options = phase_args  # argparse wants the options after the positionals
+    command = [sys.executable, "-m", "app.bench.compile_start", phase, config, *overrides]
+    command += [*options, "--workdir", str(workdir)]
+    env = {**os.environ, SPAWNED_AT: repr(time.time())}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    for line in (done.stdout + done.stderr).splitlines():
+        if not line.startswith(RESULT_PREFIX):
+            print(f"  | {line}", flush=True)
+    results = [
+        line[len(RESULT_PREFIX) :] for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)
+    ]
+    if done.returncode != 0 or not results:
+        return {"failed": f"exit {done.returncode}"}
+    return json.loads(results[-1])
+
+
+def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, Any]:
+    """One training start as the trainer does it, then `steps` steady-state steps."""
+    spawned_at = float(os.environ.get(SPAWNED_AT, time.time()))
+    import torch
+
+    from app.compile.guard import RecompileError, read_counters, recompile_errors
+    from app.compile.prepare import prepare_compiled_training
+    from app.config import load_config
+    from app.model.drafter import DFlashDrafter, DrafterArch
+    from app.model.target import load_target
+
+    marks = {"imports": time.time() - spawned_at}
+    config = load_config(config_path, overrides)
+    device = torch.device("cuda", torch.cuda.current_device())
+    target = load_target(config, device)
+    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed).to(device)
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=config.train.lr, betas=config.train.betas, fused=True
+    )
+    marks["models_built"] = time.time() - spawned_at
+    report = prepare_compiled_training(config, target, drafter, device, log=print)
+    marks["prepared"] = time.time() - spawned_at
+    feature_pool = [_target_features(config, target, device, seed) for seed in range(FEATURE_POOL)]
+    marks["features_ready"] = time.time() - spawned_at
+    step = _train_step(config, drafter, target, optimizer, device, recompile_errors)
+
+    loss = step(0, feature_pool[0])
+    loss.item()
+    marks["first_optimizer_step"] = time.time() - spawned_at
+
+    before = read_counters()
+    recompile_failure = None
+    started = time.perf_counter()
+    done_steps = 0
+    try:
+        for index in range(1, steps + 1):
+            step(index, feature_pool[index % FEATURE_POOL])
+            done_steps += 1
+    except RecompileError as error:
+        recompile_failure = str(error)
+    torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - started
+    return {
+        "marks_s": marks,
+        "compile": report.to_dict(),
+        "steady": {
+            "steps": done_steps,
+            "mean_step_s": elapsed / done_steps if done_steps else None,
+            "recompile_failure": recompile_failure,
+            "graphs_compiled": (read_counters() - before).unique_graphs,
+        },
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+    }
+
+
+def run_build(config_path: str, overrides: list[str]) -> dict[str, Any]:
+    spawned_at = float(os.environ.get(SPAWNED_AT, time.time()))
+    from app.compile.build import build_cache
+    from app.config import load_config
+
+    result = build_cache(load_config(config_path, overrides), force=True)
+    manifest = result.entry.manifest
+    return {
+        "wall_s": time.time() - spawned_at,
+        "key": result.entry.key,
+        "measured": manifest["measured"],
+        "counters": manifest["build"]["counters"],
+        "artifact_bytes": manifest["artifacts"]["bytes"],
+        "artifact_entries": manifest["artifacts"]["entries"],
+    }
+
+
+def _train_step(
+    config: RunConfig,
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    recompile_errors: Callable[[], Any],
+) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The trainer's step on a fresh synthetic row: autocast, chunked loss, backward, clip, AdamW."""
+    import torch
+
+    from app.bench.rows import synthetic_row
+    from app.config import default_gamma
+    from app.data.batch import FeatureBatch
+    from app.model.objective import drafter_loss
+
+    train, arch = config.train, drafter.arch
+    generator = torch.Generator().manual_seed(7)
+    documents = max(1, config.data.token_budget // config.data.max_length)
+
+    def step(index: int, features: torch.Tensor) -> torch.Tensor:
+        row = synthetic_row(
+            config.data.token_budget,
+            train.anchors,
+            arch.vocab_size,
+            num_documents=documents,
+            generator=generator,
+        ).to(device)
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16, enabled=train.precision == "bf16"),
+            recompile_errors(),
+        ):
+            out = drafter_loss(
+                drafter,
+                FeatureBatch(row=row, features=features),
+                target.embed_tokens,
+                target.lm_head,
+                gamma=train.gamma or default_gamma(arch.block_size),
+                chunk_size=train.loss_chunk_size,
+            )
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    return step
+
+
+def _target_features(config: RunConfig, target: TargetModel, device: torch.device, seed: int) -> torch.Tensor:
+    """`[token_budget, K*H]` features of one target forward over random tokens (zero-padded to the budget)."""
+    import torch
+
+    budget, length = config.data.token_budget, config.data.max_length
+    rows = max(1, budget // length)
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, target.vocab_size, (rows, length), generator=generator).to(device)
+    features = target.features(input_ids, torch.ones_like(input_ids)).reshape(rows * length, -1)[:budget]
+    if features.shape[0] < budget:
+        features = torch.cat([features, features.new_zeros(budget - features.shape[0], features.shape[1])])
+    return features
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = [
+        f"{'run':<6} {'start->1st step':>16} {'prepare':>9} {'fx hit/miss/byp':>16} {'aot hit/miss/byp':>17} "
+        f"{'steady steps':>12} {'ms/step':>8} {'recompiles':>10}"
+    ]
+    for name in ("cold", "warm"):
+        result = results.get(name) or {}
+        if "failed" in result or not result:
+            lines.append(f"{name:<6} {result.get('failed', 'not run')}")
+            continue
+        counters = result["compile"]["warmup_counters"]
+        steady = result["steady"]
+        fx = f"{counters['fxgraph_cache_hit']}/{counters['fxgraph_cache_miss']}/{counters['fxgraph_cache_bypass']}"
+        aot = f"{counters['autograd_cache_hit']}/{counters['autograd_cache_miss']}/{counters['autograd_cache_bypass']}"
+        recompiles = steady["graphs_compiled"] + (1 if steady["recompile_failure"] else 0)
+        step_ms = f"{steady['mean_step_s'] * 1e3:.0f}" if steady["mean_step_s"] else "-"
+        lines.append(
+            f"{name:<6} {result['marks_s']['first_optimizer_step']:>15.1f}s "
+            f"{result['marks_s']['prepared'] - result['marks_s']['models_built']:>8.1f}s {fx:>16} {aot:>17} "
+            f"{steady['steps']:>12} {step_ms:>8} {recompiles:>10}"
+        )
+    cold, warm = results.get("cold", {}), results.get("warm", {})
+    if "marks_s" in cold and "marks_s" in warm:
+        ratio = warm["marks_s"]["first_optimizer_step"] / cold["marks_s"]["first_optimizer_step"]
+        lines.append(f"warm / cold start->first step: {ratio:.0%}")
+    build = results.get("build") or {}
+    if "measured" in build:
+        measured = build["measured"]
+        lines.append(
+            f"build-cache: {build['wall_s']:.1f}s wall, cold compile {measured['cold_compile_s']:.1f}s, "
+            f"drafter step {measured['drafter_step_s'] * 1e3:.0f} ms, target forward "
+            f"{(measured['target_forward_s'] or 0) * 1e3:.0f} ms, artifacts {build['artifact_bytes'] / 1e6:.1f} MB "
+            f"{build['artifact_entries']}, key {build['key']}"
+        )
+    return "\n".join(lines)
+
+
+def _emit(result: dict[str, Any]) -> None:
+    print(RESULT_PREFIX + json.dumps(result, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""`dflash build-cache CONFIG [overrides]`: bake the compile cache of a run config on this GPU model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+
+def build_cache(
+    config: Annotated[str, typer.Argument(help="Run config (.toml or .yaml) whose shapes to compile.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Rebuild even when a matching, intact cache exists.")
+    ] = False,
+) -> None:
+    """Compile what a training step compiles (drafter fwd+bwd, block mask, loss) and save it to compile_cache/<key>/.
+
+    Run once per GPU model, torch build and config shape; `dflash train` loads the matching cache at
+    start and verifies it by counters. A matching cache makes this a fast no-op.
+    """
+    from app.compile.build import build_cache as build  # torch loads only for this command
+    from app.config import load_config
+
+    build(load_config(config, overrides or []), force=force, log=lambda line: print(line, flush=True))

@@ -1,0 +1,88 @@
+"""Where compiled kernels live, set up before torch compiles anything.
+
+The incident's 353 MB of kernels sat in `/tmp/torchinductor_root` and died with one `rm -rf`; torch's
+default is `/tmp/torchinductor_<user>`, and `getpass.getuser()` (which picks `<user>`) raises in a
+container running under a uid with no passwd entry. So: the inductor and Triton caches go to a
+persistent, writable directory (`compile.inductor_dir`, default `~/.cache/dflash/inductor`), never
+under /tmp, and USER/HOME are filled in when the container left them unset.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.config.schema import CompileConfig
+from app.env.fingerprint import is_under_tmp
+from app.errors import UserError
+
+DEFAULT_INDUCTOR_DIR = "~/.cache/dflash/inductor"
+
+
+@dataclass(frozen=True)
+class CompileDirs:
+    """The directories this process compiles into (exported as TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR)."""
+
+    inductor: Path
+    triton: Path
+
+
+def ensure_user_and_home() -> None:
+    """Set USER (and HOME) from the uid when a container left them unset, so getpass and `~` work."""
+    if not any(os.environ.get(name) for name in ("LOGNAME", "USER", "LNAME", "USERNAME")):
+        try:
+            os.environ["USER"] = pwd.getpwuid(os.getuid()).pw_name
+        except KeyError:  # an arbitrary `--user 12345` has no passwd entry
+            os.environ["USER"] = f"uid{os.getuid()}"
+    if not os.environ.get("HOME"):
+        try:
+            os.environ["HOME"] = pwd.getpwuid(os.getuid()).pw_dir
+        except KeyError:
+            raise UserError(
+                f"HOME is unset and uid {os.getuid()} has no passwd entry: set HOME or compile.inductor_dir "
+                "to a writable persistent directory"
+            ) from None
+
+
+def resolve_inductor_dir(compile_config: CompileConfig) -> Path:
+    """`compile.inductor_dir`, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/dflash/inductor; never /tmp."""
+    if compile_config.inductor_dir is not None:
+        chosen, source = compile_config.inductor_dir, "compile.inductor_dir"
+    elif os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        chosen, source = os.environ["TORCHINDUCTOR_CACHE_DIR"], "TORCHINDUCTOR_CACHE_DIR"
+    else:
+        chosen, source = DEFAULT_INDUCTOR_DIR, "compile.inductor_dir (default)"
+    directory = Path(chosen).expanduser().absolute()
+    if is_under_tmp(str(directory)):
+        raise UserError(
+            f"{source}: {directory} is under /tmp, where cleanups delete compiled kernels; "
+            "choose a persistent directory (e.g. ~/.cache/dflash/inductor)"
+        )
+    return directory
+
+
+def use_compile_dirs(inductor_dir: Path, triton_dir: Path | None = None) -> CompileDirs:
+    """Create the directories, check they are writable and export them for torch and Triton.
+
+    Triton defaults to `<inductor_dir>/triton` unless TRITON_CACHE_DIR names a persistent directory.
+    Call before anything is compiled: both are read when a kernel is first compiled or loaded.
+    """
+    if triton_dir is None:
+        from_env = os.environ.get("TRITON_CACHE_DIR")
+        triton_dir = Path(from_env) if from_env and not is_under_tmp(from_env) else inductor_dir / "triton"
+    for directory, what in ((inductor_dir, "inductor"), (triton_dir, "Triton")):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            raise UserError(
+                f"compile.inductor_dir: the {what} cache directory {directory} is not writable by uid "
+                f"{os.getuid()} ({error.strerror})"
+            ) from None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
+    os.environ["TRITON_CACHE_DIR"] = str(triton_dir)
+    return CompileDirs(inductor=inductor_dir, triton=triton_dir)

@@ -1,0 +1,184 @@
+"""Train start: load the matching baked cache, warm up on the main thread, verify, lock the kernels.
+
+The order is the point (DESIGN.md section 5): directories before anything compiles, artifacts before
+the first compiled call, warm-up on the main thread before any data thread or worker exists, counters
+right after warm-up, and only then the `fail_on_recompile` stance for the rest of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.compile.artifacts import CacheEntry, CacheEntryError, find_entry, load_entry
+from app.compile.catalog import nearest_mismatch
+from app.compile.environment import ensure_user_and_home, resolve_inductor_dir, use_compile_dirs
+from app.compile.guard import (
+    CompileCacheMiss,
+    CompileCounters,
+    baseline_step_time,
+    cache_use_problems,
+    compiles_on,
+    enter_steady_state,
+    read_counters,
+    throughput_watch,
+    verify_fx_trace_flags,
+)
+from app.compile.key import cache_key, key_fields
+from app.compile.warmup import FrozenHeads, warm_up_drafter
+from app.config.schema import RunConfig
+from app.model.drafter import DFlashDrafter
+from app.telemetry.reporter import HealthWatch
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class CompileReport:
+    """What train start did about compilation (for the log, status.json and the health watches)."""
+
+    compiled: bool
+    device: str
+    key: str | None = None
+    cache_path: Path | None = None
+    """The matching entry's directory, when one was found."""
+    cache_loaded: bool = False
+    loaded_artifacts: dict[str, int] = field(default_factory=dict)
+    counters_before: CompileCounters = field(default_factory=CompileCounters)
+    counters_after: CompileCounters = field(default_factory=CompileCounters)
+    warmup_s: float = 0.0
+    baseline_step_s: float | None = None
+    """Expected seconds per optimizer step for this run's topology (from the manifest)."""
+    problems: list[str] = field(default_factory=list)
+    watches: list[HealthWatch] = field(default_factory=list)
+    """Health watches to add to the trainer's (the throughput guard, when a baseline exists)."""
+
+    @property
+    def warmup_counters(self) -> CompileCounters:
+        return self.counters_after - self.counters_before
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "compiled": self.compiled,
+            "device": self.device,
+            "key": self.key,
+            "cache_path": str(self.cache_path) if self.cache_path else None,
+            "cache_loaded": self.cache_loaded,
+            "loaded_artifacts": self.loaded_artifacts,
+            "warmup_counters": self.warmup_counters.to_dict(),
+            "warmup_s": round(self.warmup_s, 3),
+            "baseline_step_s": self.baseline_step_s,
+            "problems": self.problems,
+        }
+
+
+def prepare_compiled_training(
+    config: RunConfig, target: FrozenHeads, drafter: DFlashDrafter, device: torch.device | str, log: Log
+) -> CompileReport:
+    """Call once, on the main thread, after building target + drafter and before the first step.
+
+    `target` is the TargetModel, or on a split drafter rank anything holding the target's frozen
+    `embed_tokens` and `lm_head`. Call it on the bare drafter, before any DDP wrapping.
+
+    On CPU (eager) this only checks the mode and returns. On CUDA: set up the cache directories,
+    load the cache whose key matches, compile the drafter's layers, warm up at the run's exact shapes,
+    check the cache counters, then set the fail_on_recompile stance (wrap steps in
+    `app.compile.recompile_errors()`).
+    """
+    device = torch.device(device)
+    compile_config = config.compile
+    if not compiles_on(compile_config.mode, device, drafter.attention_backend):
+        return CompileReport(compiled=False, device=str(device))
+
+    ensure_user_and_home()
+    dirs = use_compile_dirs(resolve_inductor_dir(compile_config))
+    fields = key_fields(config, drafter.arch, device)
+    report = CompileReport(compiled=True, device=str(device), key=cache_key(fields))
+    cache_dir = Path(compile_config.cache_dir).expanduser()
+    entry = _load_matching_entry(cache_dir, dirs.triton, report, on_miss=compile_config.on_cache_miss)
+    if entry is not None:
+        log(f"compile cache: loaded {entry.describe()} into {dirs.inductor}")
+    elif report.problems:
+        log(f"error: {report.problems[-1]}")
+    else:
+        _warn_no_cache(cache_dir, report.key, fields, log)
+
+    drafter.compile_layers()
+    report.counters_before = read_counters()
+    report.warmup_s = warm_up_drafter(config, drafter, target, device)
+    report.counters_after = read_counters()
+    verify_fx_trace_flags()
+    log(f"compile warm-up: {report.warmup_s:.1f}s ({report.warmup_counters.describe()})")
+
+    counter_problems = cache_use_problems(report.warmup_counters, report.cache_loaded)
+    for problem in counter_problems:
+        log(f"error: {problem}")
+    if counter_problems and compile_config.on_cache_miss == "abort":
+        raise CompileCacheMiss(f"{counter_problems[0]} (compile.on_cache_miss = abort)")
+    report.problems += counter_problems
+
+    if entry is not None:
+        report.baseline_step_s = baseline_step_time(entry.measured, config)
+        if report.baseline_step_s is not None:
+            report.watches.append(throughput_watch(report.baseline_step_s, str(entry.path), config))
+    if compile_config.fail_on_recompile:
+        enter_steady_state()
+    return report
+
+
+def _load_matching_entry(
+    cache_dir: Path, triton_dir: Path, report: CompileReport, on_miss: str
+) -> CacheEntry | None:
+    """Find and hot-load the entry of `report.key`; a damaged one is a problem (or, with abort, fatal)."""
+    assert report.key is not None
+    try:
+        entry = find_entry(cache_dir, report.key)
+        if entry is None:
+            return None
+        report.loaded_artifacts = load_entry(entry, triton_dir)
+    except CacheEntryError as error:
+        if on_miss == "abort":
+            raise
+        report.problems.append(f"compile cache unusable, compiling from scratch: {error}")
+        return None
+    report.cache_path, report.cache_loaded = entry.path, True
+    return entry
+
+
+def _warn_no_cache(cache_dir: Path, key: str | None, fields: dict[str, Any], log: Log) -> None:
+    nearest = nearest_mismatch(cache_dir, fields)
+    differs = (
+        f"; nearest cache {nearest.entry.key} differs in {', '.join(nearest.differences)}" if nearest else ""
+    )
+    log(
+        f"WARNING: no compile cache for key {key} in {cache_dir}/{differs}. Compiling from scratch "
+        "(minutes at production shapes, and every restart pays it again): build the cache for this "
+        "machine and config with `dflash build-cache CONFIG [overrides]` (or `just build-cache CONFIG`)"
+    )
+
+
+def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log) -> Path | None:
+    """A target-only rank compiles nothing, but a hybrid target's library Triton kernels (40 s of JIT
+    per process) come from the baked entry: point the caches at the persistent dirs and copy them in.
+
+    Returns the entry used, or None (eager device, no entry, or no Triton files in it).
+    """
+    from app.compile.artifacts import copy_triton_files
+    from app.model.drafter import DrafterArch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    ensure_user_and_home()
+    dirs = use_compile_dirs(resolve_inductor_dir(config.compile))
+    key = cache_key(key_fields(config, DrafterArch.from_config(config), device))
+    entry = find_entry(Path(config.compile.cache_dir).expanduser(), key)
+    if entry is None or entry.triton_path is None:
+        return None
+    copy_triton_files(entry, dirs.triton)
+    log(f"compile cache: Triton kernels of {entry.key} copied into {dirs.triton}")
+    return entry.path

@@ -1,0 +1,186 @@
+"""Warm-up at the run's exact shapes: what compiles every kernel before the first real step.
+
+A synthetic FeatureBatch has the shapes and dtypes of every real one (rows are fixed-shape:
+`token_budget` context tokens, `anchors` blocks), so one forward + backward through the drafter and
+the chunked loss compiles (or loads) everything training will call. Gradients are dropped
+afterwards and no optimizer step runs, so warm-up leaves training state untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from app.bench.rows import synthetic_row
+from app.config import RunConfig, default_gamma
+from app.data.batch import FeatureBatch
+from app.model.drafter import DFlashDrafter
+from app.model.objective import drafter_loss
+from app.model.target import TargetModel, target_dtype
+
+WARMUP_SEED = 1234
+"""Seed of the synthetic rows (independent of the run's seed: warm-up must not touch its RNG streams)."""
+
+
+class FrozenHeads(Protocol):
+    """What the drafter step borrows from the target: a TargetModel, or the heads a split rank received."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+def synthetic_batches(
+    config: RunConfig, drafter: DFlashDrafter, device: torch.device, count: int
+) -> list[FeatureBatch]:
+    """`count` fixed-shape feature batches laid out like real rows (documents, padding, anchors)."""
+    arch = drafter.arch
+    token_budget = config.data.token_budget
+    generator = torch.Generator().manual_seed(WARMUP_SEED)
+    documents = max(1, token_budget // config.data.max_length)
+    # One features tensor shared by all rows: at production shapes each one is gigabytes.
+    features = torch.randn(
+        token_budget,
+        arch.feature_size,
+        device=device,
+        dtype=target_dtype(config.target, device),
+        generator=torch.Generator(device).manual_seed(WARMUP_SEED),
+    )
+    rows = [
+        synthetic_row(
+            token_budget, config.train.anchors, arch.vocab_size, num_documents=documents, generator=generator
+        ).to(device)
+        for _ in range(count)
+    ]
+    return [FeatureBatch(row=row, features=features) for row in rows]
+
+
+def forward_backward(
+    config: RunConfig,
+    drafter: nn.Module,
+    heads: FrozenHeads,
+    batch: FeatureBatch,
+    device: torch.device,
+) -> None:
+    """One drafter forward + chunked loss + backward, under the trainer's autocast rule."""
+    train = config.train
+    with torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and train.precision == "bf16"
+    ):
+        out = drafter_loss(
+            drafter,
+            batch,
+            heads.embed_tokens,
+            heads.lm_head,
+            gamma=train.gamma or default_gamma(config.drafter.block_size),
+            chunk_size=train.loss_chunk_size,
+        )
+    out.loss.backward()
+
+
+def warm_up_drafter(
+    config: RunConfig, drafter: DFlashDrafter, heads: FrozenHeads, device: torch.device
+) -> float:
+    """Compile (or load) everything one training step compiles; returns the seconds it took."""
+    (batch,) = synthetic_batches(config, drafter, device, 1)
+    started = time.perf_counter()
+    forward_backward(config, drafter, heads, batch, device)
+    drafter.zero_grad(set_to_none=True)
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Steady-state seconds per step, measured after warm-up."""
+
+    drafter_step_s: float
+    """Drafter forward + backward + clip + optimizer step."""
+    target_forward_s: float | None
+    """One target forward over `token_budget` tokens (what a colocated step adds); None if not measured."""
+    steps: int
+
+
+def time_training_steps(
+    config: RunConfig,
+    drafter: DFlashDrafter,
+    target: TargetModel,
+    device: torch.device,
+    *,
+    steps: int,
+    warmup_steps: int = 2,
+) -> StepTiming:
+    """Time full optimizer steps of a throwaway optimizer, and the target forward, at the run's shapes.
+
+    The caller's drafter weights change (optimizer steps): use a drafter built for measuring only.
+    """
+    train = config.train
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=train.lr, betas=train.betas, fused=device.type == "cuda"
+    )
+    batches = synthetic_batches(config, drafter, device, 3)
+
+    def step(index: int) -> None:
+        forward_backward(config, drafter, target, batches[index % len(batches)], device)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for index in range(warmup_steps):
+        step(index)
+    _synchronize(device)
+    started = time.perf_counter()
+    for index in range(steps):
+        step(index)
+    _synchronize(device)
+    drafter_step_s = (time.perf_counter() - started) / steps
+    return StepTiming(drafter_step_s, time_target_forward(config, target, device), steps)
+
+
+def time_target_forward(
+    config: RunConfig, target: TargetModel, device: torch.device, repeats: int = 3
+) -> float:
+    """Seconds per target forward over a full batch (`token_budget // max_length` rows of `max_length`)."""
+    input_ids, attention_mask = _target_batch(config, target, device)
+    target.features(input_ids, attention_mask)
+    _synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        target.features(input_ids, attention_mask)
+    _synchronize(device)
+    return (time.perf_counter() - started) / repeats
+
+
+def uses_library_triton_kernels(target: TargetModel) -> bool:
+    """A hybrid (linear-attention) target with flash-linear-attention installed JIT-compiles Triton
+    kernels on its first forward (about 40 s on an H200): those belong in the baked cache."""
+    layer_types = getattr(target.text_config, "layer_types", None) or []
+    hybrid = any("linear" in str(kind) for kind in layer_types)
+    return hybrid and importlib.util.find_spec("fla") is not None
+
+
+def warm_target(config: RunConfig, target: TargetModel, device: torch.device) -> float:
+    """One target forward at the run's batch shape; returns the seconds it took (JIT included)."""
+    input_ids, attention_mask = _target_batch(config, target, device)
+    started = time.perf_counter()
+    target.features(input_ids, attention_mask)
+    _synchronize(device)
+    return time.perf_counter() - started
+
+
+def _target_batch(
+    config: RunConfig, target: TargetModel, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = max(1, config.data.token_budget // config.data.max_length)
+    generator = torch.Generator().manual_seed(WARMUP_SEED)
+    input_ids = torch.randint(0, target.vocab_size, (rows, config.data.max_length), generator=generator)
+    return input_ids.to(device), torch.ones_like(input_ids, device=device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
