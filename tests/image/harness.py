@@ -1,0 +1,137 @@
+"""Helpers of the image tests: build with the docker CLI (BuildKit), run with the docker SDK."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+BASE_IMAGE = os.environ.get("DFLASH_BASE_IMAGE", "local/bookworm-python:base")
+CPU_IMAGE = "dflash:cpu"
+BUILD_STAGE_IMAGE = "dflash:cpu-build"
+SERVER_IMAGE = "dflash:cpu-server"
+BUILD_TIMEOUT_S = 3600
+
+
+@dataclass(frozen=True)
+class Finished:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def docker_cli() -> str:
+    """A docker CLI that builds with BuildKit: one with buildx, else Debian's 20.10 client (built-in BuildKit)."""
+    chosen = os.environ.get("DFLASH_DOCKER_CLI")
+    if chosen:
+        return chosen
+    for candidate in ("docker", "/usr/bin/docker"):
+        path = shutil.which(candidate)
+        if path is None:
+            continue
+        if subprocess.run([path, "buildx", "version"], capture_output=True, check=False).returncode == 0:
+            return path
+        version = subprocess.run(
+            [path, "version", "--format", "{{.Client.Version}}"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        if version.split(".")[0] in {"20", "21", "22"}:  # before 23 the CLI drives BuildKit itself
+            return path
+    raise RuntimeError(
+        "no docker CLI that can build with BuildKit: install docker-buildx or Debian's docker.io"
+    )
+
+
+def build(
+    tag: str, *, dockerfile: Path, context: Path, build_args: dict[str, str], target: str | None = None
+) -> float:
+    """`docker build` with BuildKit, host network and the machine's CA as a secret; returns seconds taken."""
+    command = [
+        docker_cli(),
+        "build",
+        "--network",
+        "host",
+        "--progress",
+        "plain",
+        "-t",
+        tag,
+        "-f",
+        str(dockerfile),
+    ]
+    ca_file = os.environ.get("SSL_CERT_FILE")
+    if ca_file and Path(ca_file).is_file():
+        command += ["--secret", f"id=ca,src={ca_file}"]
+    for name, value in build_args.items():
+        command += ["--build-arg", f"{name}={value}"]
+    if target:
+        command += ["--target", target]
+    started = time.monotonic()
+    done = subprocess.run(
+        [*command, str(context)],
+        env={**os.environ, "DOCKER_BUILDKIT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"docker build of {tag} failed:\n{(done.stdout + done.stderr)[-6000:]}")
+    return time.monotonic() - started
+
+
+def git_revision() -> str:
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return done.stdout.strip() or "unknown"
+
+
+def lock_sha256() -> str:
+    return hashlib.sha256((ROOT / "uv.lock").read_bytes()).hexdigest()
+
+
+def cpu_build_args() -> dict[str, str]:
+    return {
+        "BASE_IMAGE": BASE_IMAGE,
+        "RUNTIME_IMAGE": BASE_IMAGE,
+        "FAST_KERNELS": "0",
+        "REVISION": git_revision(),
+        "LOCK_SHA256": lock_sha256(),
+    }
+
+
+def run_container(
+    client: docker.DockerClient, image: str, command: list[str], timeout_s: float = 900, **options
+) -> Finished:
+    """Run to completion and return the exit code with stdout and stderr apart; the container is removed."""
+    container = client.containers.run(image, command, detach=True, network_mode="host", **options)
+    try:
+        status = container.wait(timeout=timeout_s)
+        return Finished(
+            exit_code=status["StatusCode"],
+            stdout=container.logs(stdout=True, stderr=False).decode(errors="replace"),
+            stderr=container.logs(stdout=False, stderr=True).decode(errors="replace"),
+        )
+    finally:
+        container.remove(force=True)
+
+
+def readable_by_container(path: Path) -> Path:
+    """Make a host tree readable by the image's non-root user (safetensors files are written 0600)."""
+    for item in [path, *path.rglob("*")]:
+        item.chmod(0o755 if item.is_dir() else 0o644)
+    return path
+
+
+def writable_by_container(path: Path) -> Path:
+    """A host directory the image's non-root user (uid 1000) can write, as a bind mount needs."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o777)
+    return path
