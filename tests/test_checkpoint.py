@@ -21,8 +21,13 @@ from app.errors import UserError
 
 def save(run_dir: Path, step: int, keep_last: int = 3) -> Path:
     weights = {"fc.weight": torch.full((4, 4), float(step))}
-    optimizer = {"state": {0: {"exp_avg": torch.ones(4) * step}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
-    return save_checkpoint(run_dir, step, weights, optimizer, {"cpu": torch.get_rng_state()}, {"cursor": step}, keep_last)
+    optimizer = {
+        "state": {0: {"exp_avg": torch.ones(4) * step}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
+    return save_checkpoint(
+        run_dir, step, weights, optimizer, {"cpu": torch.get_rng_state()}, {"cursor": step}, keep_last
+    )
 
 
 def test_round_trip_and_latest_pointer(tmp_path: Path) -> None:
@@ -38,7 +43,10 @@ def test_round_trip_and_latest_pointer(tmp_path: Path) -> None:
 def test_keep_last_prunes_only_after_the_new_one_is_complete(tmp_path: Path) -> None:
     for step in (1, 2, 3, 4, 5):
         save(tmp_path, step, keep_last=2)
-    assert [p.name for p in complete_checkpoints(checkpoint_root(tmp_path))] == ["step_00000004", "step_00000005"]
+    assert [p.name for p in complete_checkpoints(checkpoint_root(tmp_path))] == [
+        "step_00000004",
+        "step_00000005",
+    ]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
@@ -53,7 +61,10 @@ def test_corrupt_latest_falls_back_to_previous_with_warning(tmp_path: Path, dama
         broken.write_bytes(bytes(data))
     else:
         broken.unlink()
-    with pytest.warns(CheckpointWarning, match=r"step_00000002: model\.safetensors (is truncated|fails its sha256|is missing)"):
+    with pytest.warns(
+        CheckpointWarning,
+        match=r"step_00000002: model\.safetensors (is truncated|fails its sha256|is missing)",
+    ):
         loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None and loaded.step == 1
 

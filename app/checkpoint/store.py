@@ -76,7 +76,10 @@ def save_checkpoint(
     final = root / f"{PREFIX}{step:08d}"
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
-        save_file({name: t.detach().contiguous().cpu() for name, t in model_state.items()}, staging / "model.safetensors")
+        save_file(
+            {name: t.detach().contiguous().cpu() for name, t in model_state.items()},
+            staging / "model.safetensors",
+        )
         torch.save(optimizer_state, staging / "optimizer.pt")
         torch.save(rng_state, staging / "rng.pt")
         (staging / "state.json").write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
@@ -119,7 +122,9 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def load_latest_checkpoint(run_dir: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:
+def load_latest_checkpoint(
+    run_dir: str | Path, map_location: str | torch.device = "cpu"
+) -> Checkpoint | None:
     """The newest checkpoint that verifies, falling back past corrupt ones with a warning; None if there is none."""
     root = checkpoint_root(run_dir)
     candidates = complete_checkpoints(root)
@@ -131,7 +136,11 @@ def load_latest_checkpoint(run_dir: str | Path, map_location: str | torch.device
     for path in reversed(candidates):
         problem = verify_checkpoint(path)
         if problem is not None:
-            warnings.warn(f"checkpoint {path}: {problem}; falling back to the previous one", CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"checkpoint {path}: {problem}; falling back to the previous one",
+                CheckpointWarning,
+                stacklevel=2,
+            )
             continue
         return Checkpoint(
             path=path,

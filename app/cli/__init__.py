@@ -10,7 +10,19 @@ import sys
 
 import typer
 
-from app.cli import bench_cmd, config_cmd, datagen_cmd, doctor_cmd, eval_cmd, export_cmd, train_cmd
+from app.cli import (
+    bench_cmd,
+    build_cache_cmd,
+    config_cmd,
+    datagen_cmd,
+    demo_cmd,
+    doctor_cmd,
+    eval_cmd,
+    export_cmd,
+    pull_cmd,
+    status_cmd,
+    train_cmd,
+)
 from app.errors import UserError
 
 cli = typer.Typer(
@@ -24,9 +36,13 @@ cli.add_typer(config_cmd.group, name="config")
 cli.add_typer(bench_cmd.group, name="bench")
 cli.command("datagen")(datagen_cmd.datagen)
 cli.command("doctor")(doctor_cmd.doctor)
+cli.command("build-cache")(build_cache_cmd.build_cache)
 cli.command("train")(train_cmd.train)
+cli.command("demo")(demo_cmd.demo)
 cli.command("eval")(eval_cmd.evaluate)
 cli.command("export")(export_cmd.export)
+cli.command("status")(status_cmd.status)
+cli.command("pull")(pull_cmd.pull)
 
 
 def main() -> None:

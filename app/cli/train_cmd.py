@@ -1,11 +1,21 @@
-"""`dflash train CONFIG [overrides] [--resume]`: train a drafter (colocated, or under torchrun)."""
+"""`dflash train CONFIG [overrides] [--resume]`: train a drafter (colocated, or under torchrun).
+
+Under torchrun each rank takes its role from `topology`: drafter ranks run the trainer (DDP over
+the drafter group), target ranks run the frozen target and stream features. A rank that raises
+records its failure in the rendezvous store before exiting, so every other rank's watchdog brings
+the job down within seconds naming it (and torchrun's summary names it too).
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
 
 import typer
+
+STOPPED_EXIT_CODE = 143
+"""128 + SIGTERM: stopped by a signal after checkpointing; `--resume` continues exactly."""
 
 
 def train(
@@ -18,13 +28,110 @@ def train(
     """Train the drafter: epochs exactly as configured, checkpoints in train.output_dir.
 
     SIGTERM or Ctrl-C checkpoints after the current step and exits 143; `--resume` continues exactly.
+    Multi-GPU topologies (topology.*) run under torchrun, one process per GPU (entrypoint.sh train).
     """
     from app.config import load_config
-    from app.train.trainer import Trainer, TrainingStopped
+    from app.pipeline.distributed import wants_distributed
 
     run_config = load_config(config, overrides or [])
+    if wants_distributed(run_config):
+        _train_rank(run_config, resume)
+        return
+    from app.train.trainer import Trainer, TrainingStopped
+
     try:
-        Trainer(run_config, resume=resume, log=lambda line: print(line, flush=True)).run()
+        Trainer(run_config, resume=resume, log=_print).run()
     except TrainingStopped as stopped:
         print(f"dflash: {stopped}", file=sys.stderr)
-        raise typer.Exit(143) from None
+        raise typer.Exit(STOPPED_EXIT_CODE) from None
+
+
+def _train_rank(run_config, resume: bool) -> None:
+    """One torchrun rank: join the job, run this rank's role, report a failure to the other ranks.
+
+    A rank that did not finish cleanly (stopped by a signal, or failed) exits with `os._exit` once it
+    has said why: a receive still pending in a blocked transport thread would otherwise hold the
+    interpreter's teardown of the process groups for many seconds.
+    """
+    import traceback
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from app.errors import UserError
+    from app.pipeline.distributed import start_runtime
+
+    runtime = start_runtime(run_config, _print)
+
+    def log(line: str) -> None:
+        _print(line if runtime.layout.is_logger else f"[{runtime.layout.name}] {line}")
+
+    exit_code = 0
+    try:
+        stopped = record(_run_role)(run_config, runtime, resume, log)  # failures: torchrun's summary
+        if stopped is not None:
+            log(f"dflash: {stopped}")
+            exit_code = STOPPED_EXIT_CODE
+    except UserError as error:
+        _report_failure(runtime, error)
+        print(f"dflash: error: {error}", file=sys.stderr)
+        exit_code = 2
+    except BaseException as error:
+        if _report_failure(runtime, error):
+            traceback.print_exc()  # the job's first failure: its traceback is the one worth reading
+        exit_code = 1
+    finally:
+        runtime.close(clean=exit_code == 0)
+    if exit_code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+
+
+def _report_failure(runtime, error: BaseException) -> bool:
+    """Record the job's first failure in the store (every watchdog reads it) and say who failed.
+
+    Returns True when this rank's failure is the job's first (not a consequence of another's).
+    """
+    from app.pipeline.roles import describe_rank
+
+    layout = runtime.layout
+    cause = f"{type(error).__name__}: {_first_line(error)}"
+    peer = getattr(error, "peer_rank", None)  # a transport error caused by a lost peer blames the peer
+    blamed = peer if peer is not None else layout.rank
+    first = runtime.side.post_failure(blamed, cause if blamed == layout.rank else f"lost ({cause})")
+    if first["rank"] == layout.rank:
+        _print(f"dflash: {layout.name} failed: {cause}")
+        return True
+    culprit = describe_rank(layout, first["rank"])
+    _print(f"dflash: {layout.name} stops ({cause}) because {culprit} failed first: {first['cause']}")
+    return False
+
+
+def _run_role(run_config, runtime, resume: bool, log) -> Exception | None:
+    """This rank's role to the end; returns the stop (a signal, checkpointed) rather than raising it,
+    so that torchrun does not record a graceful stop as the rank's error."""
+    from app.data.batching import BatchPlanner
+    from app.data.tokenize import pad_token_id
+    from app.pipeline.target_worker import TargetStopped, TargetWorker
+    from app.train.trainer import Trainer, TrainingStopped, load_run_data, load_tokenizer
+
+    try:
+        if runtime.layout.trains:
+            Trainer(run_config, resume=resume, log=log, runtime=runtime).run()
+            return None
+        tokenizer = load_tokenizer(run_config)
+        train_data, _ = load_run_data(run_config, tokenizer, runtime)
+        planner = BatchPlanner.from_config(train_data.lengths, run_config.data, run_config.train.seed)
+        TargetWorker(run_config, runtime, train_data, planner, pad_token_id(tokenizer), log).run()
+    except (TrainingStopped, TargetStopped) as stopped:
+        return stopped
+    return None
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

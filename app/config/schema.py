@@ -190,6 +190,12 @@ class TrainConfig(Section):
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (smoke tests, benchmarks); None: run all epochs."""
 
+    grad_accum: int = Field(1, ge=1)
+    """Feature batches each drafter rank accumulates per optimizer step: one step consumes
+    drafter_ranks x grad_accum batches of the epoch plan. Colocated with grad_accum = D trains exactly
+    like a split run with D drafter ranks. An epoch's last, partial step is padded with zero-loss batches
+    (every sample is seen once per epoch; the gradient is still divided by drafter_ranks x grad_accum)."""
+
     anchors: int = Field(512, ge=1)
     """Block slots per drafter row (anchor positions sampled per row; unused slots are masked)."""
 
@@ -283,6 +289,11 @@ class TopologyConfig(Section):
     recv_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for a peer before the job is declared hung and brought down."""
 
+    heartbeat_timeout_s: float = Field(30.0, gt=0)
+    """Seconds a rank may go without a heartbeat (through the rendezvous store) before it is declared
+    dead and every rank exits naming it: catches killed processes and lost nodes that a blocked
+    receive would otherwise only notice after recv_timeout_s."""
+
     @model_validator(mode="after")
     def _ranks_add_up(self) -> TopologyConfig:
         world = self.nnodes * self.nproc_per_node
@@ -338,18 +349,32 @@ class TelemetryConfig(Section):
     run_name: str | None = None
     """Run name in logs and wandb; default: the output directory's name."""
 
+    wandb_timeout_s: float = Field(60.0, gt=0)
+    """Longest wait for wandb to start (its init can hang on a bad network) and, at exit, to flush.
+    wandb runs in a background thread: training never waits on it; past this it is given up with a warning."""
+
+    warmup_steps: int = Field(20, ge=0)
+    """Steps after the start (or a resume) that the health watches ignore: compilation, autotuning and
+    allocator warm-up are expected to be slow and to grow memory."""
+
     memory_window_steps: int = Field(50, ge=2)
     """Steps over which GPU reserved memory must stay flat after warm-up."""
 
     memory_growth_threshold: float = Field(0.05, gt=0)
     """Reserved-memory growth over the window (fraction) that raises a health event."""
 
+    queue_stall_steps: int = Field(50, ge=1)
+    """Steps a queue (`q_pre`, `q_hs`) may sit at 0 or at its capacity before that is a health event
+    (a starved or a blocked pipeline stage). Disaggregated runs only: colocated runs have no queues."""
+
 
 class StorageConfig(Section):
     """Optional sync of checkpoints and exports to S3-compatible storage."""
 
     s3_uri: str | None = None
-    """s3://bucket/prefix to mirror checkpoints and exports to; None: local only."""
+    """s3://bucket/prefix that mirrors this run directory (use one prefix per run): checkpoints, exports,
+    config.json, fingerprint.json, status.json, metrics.jsonl. `dflash pull` restores a run from it.
+    None: local only."""
 
     endpoint_url: str | None = None
     """S3-compatible endpoint (MinIO, Ceph, ...); None: AWS. Credentials come only from the environment
@@ -360,6 +385,13 @@ class StorageConfig(Section):
 
     max_retries: int = Field(5, ge=0)
     """Retries per upload before it is left for the next sync round."""
+
+    retry_interval_s: float = Field(300.0, gt=0)
+    """Seconds after a failed sync round before the next one, when no new checkpoint comes sooner."""
+
+    exit_timeout_s: float = Field(900.0, ge=0)
+    """Longest wait at the end of a run for the last checkpoint's upload. What is not uploaded by then
+    stays local only (the run directory is complete; the remote keeps its last complete checkpoint)."""
 
     @model_validator(mode="after")
     def _s3_scheme(self) -> StorageConfig:

@@ -55,7 +55,9 @@ def regenerate(
                     [{"role": "user", "content": prompt}, {"role": "assistant", "content": response.strip()}]
                 )
         done = min(start + batch_size, len(prompts))
-        progress(f"regenerated {done}/{len(prompts)} conversations ({done - len(records)} empty answers dropped)")
+        progress(
+            f"regenerated {done}/{len(prompts)} conversations ({done - len(records)} empty answers dropped)"
+        )
     return _write_shard(records, out_dir)
 
 

@@ -2,8 +2,16 @@
 
 Everything that decides what step N computes is a function of (config, step, data cursor):
 data order and anchors come from (seed, epoch, batch index), the learning rate from the step,
-feature noise from (seed, step). So a run resumed from a checkpoint (weights, optimizer, cursor)
-takes bit-identical steps to one that never stopped.
+feature noise from (seed, step, position in the round). So a run resumed from a checkpoint
+(weights, optimizer, cursor) takes bit-identical steps to one that never stopped.
+
+One trainer serves every drafter rank. Each optimizer step trains one round of the epoch plan
+(`app.pipeline.assignment`): this rank's `grad_accum` micro-batches, gradients averaged over the
+drafter group by DDP. Alone (no runtime) it is the colocated single-process trainer; under torchrun
+it is a colocated rank (own target, own share of each round) or a split drafter rank (features from
+target ranks, the target's embedding and LM head received from target 0). Only drafter rank 0 logs,
+evaluates and writes checkpoints; the cursor it saves is global (the plan position), so resume works
+for any topology.
 """
 
 from __future__ import annotations
@@ -11,30 +19,49 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.atomic import write_json_atomic
-from app.checkpoint.store import check_training_signal, load_latest_checkpoint, save_checkpoint
+from app.checkpoint.store import (
+    PREFIX,
+    check_training_signal,
+    checkpoint_root,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from app.compile.guard import recompile_errors
+from app.compile.prepare import prepare_compiled_training
 from app.config import RunConfig, default_gamma
-from app.data.batch import FeatureBatch
-from app.data.batching import BatchPlanner, DataCursor, PlannedBatch
-from app.data.dataset import load_training_data, tokenizer_fingerprint
+from app.data.batching import BatchPlanner, DataCursor
+from app.data.dataset import TokenizedDataset, load_training_data, tokenizer_fingerprint
 from app.data.tokenize import pad_token_id
 from app.errors import UserError
 from app.evaluate.prompts import prompts_from_dataset
 from app.evaluate.speculative import evaluate_tau
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import drafter_loss, feature_noise_std
-from app.model.target import TargetModel, load_target
+from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
+from app.pipeline.assignment import Round, RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
+from app.pipeline.counters import RankCounters, Window, gather_window, target_view
+from app.pipeline.distributed import Runtime
+from app.pipeline.remote import RemoteFeatureSource
+from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_group
+from app.pipeline.sidechannel import StartPoint
+from app.pipeline.source import FeatureSource, StepBatches
+from app.pipeline.transport import receive_heads
 from app.telemetry.logline import LogLine
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter
 from app.train.schedule import learning_rate
@@ -52,12 +79,14 @@ class TrainingStopped(Exception):
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss became NaN/inf: the run stops, naming the step and the batch that did it."""
+    """The loss became NaN/inf: the run stops, naming the step and the batches that did it."""
 
-    def __init__(self, step: int, planned: PlannedBatch) -> None:
+    def __init__(self, step: int, round_: Round) -> None:
+        samples = [sample for batch in round_.real for sample in batch.sample_ids]
+        indices = [batch.index for batch in round_.real]
         super().__init__(
-            f"non-finite loss at step {step} (epoch {planned.epoch}, batch {planned.index}, "
-            f"samples {planned.sample_ids[:8]}{'...' if len(planned.sample_ids) > 8 else ''}); "
+            f"non-finite loss at step {step} (epoch {round_.epoch}, batch{'es' if len(indices) > 1 else ''} "
+            f"{', '.join(map(str, indices))}, samples {samples[:8]}{'...' if len(samples) > 8 else ''}); "
             f"resume from the last checkpoint with a lower train.lr or inspect those samples"
         )
 
@@ -66,11 +95,11 @@ class NonFiniteLoss(RuntimeError):
 class StepOutput:
     """One optimizer step's metrics, still on the device (read them on log steps only)."""
 
-    loss: torch.Tensor
-    acc: torch.Tensor
-    streak: torch.Tensor
+    totals: torch.Tensor
+    """`[4]`: this rank's sums over real micro-batches of loss, acc, streak, and their count."""
     noise: float
     grad_norm: torch.Tensor
+    round: Round
 
 
 @dataclass
@@ -81,8 +110,17 @@ class TrainResult:
     steps: int
     checkpoint: Path
     losses: list[float]
-    """Loss of every step this process trained, in order (golden curves, resume checks)."""
+    """Loss of every step this process trained, in order (golden curves, resume checks); in a
+    distributed run, the mean over every drafter rank's batches of the step."""
     evals: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class BorrowedHeads:
+    """The target's frozen embedding and LM head, which the drafter uses but does not own."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
 
 
 def pick_device(choice: str) -> torch.device:
@@ -117,8 +155,24 @@ def load_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
         raise UserError(f"{directory}: cannot load a tokenizer ({str(error).splitlines()[0]})") from None
 
 
+def load_run_data(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase, runtime: Runtime | None
+) -> tuple[TokenizedDataset, TokenizedDataset]:
+    """(train, eval) data. Under torchrun, local rank 0 of each node tokenizes first (the first load of
+    a large dataset takes long) and the node's other ranks then read its cache."""
+    if runtime is None:
+        return load_training_data(config, tokenizer)
+    node = f"data/node{os.environ.get('GROUP_RANK', '0')}"
+    if runtime.layout.local_rank == 0:
+        data = load_training_data(config, tokenizer)
+        runtime.side.mark_ready(node)
+        return data
+    runtime.side.wait_ready(node, "the node's tokenized data")
+    return load_training_data(config, tokenizer)
+
+
 def training_signal(
-    config: RunConfig, target: TargetModel, tokenizer: PreTrainedTokenizerBase
+    config: RunConfig, layer_ids: list[int], tokenizer: PreTrainedTokenizerBase
 ) -> dict[str, Any]:
     """What defines what the drafter learns; a resume must not change any of it."""
     source = config.target
@@ -126,7 +180,7 @@ def training_signal(
     return {
         "train.anchors": config.train.anchors,
         "drafter.block_size": config.drafter.block_size,
-        "drafter.target_layer_ids": target.layer_ids,
+        "drafter.target_layer_ids": list(layer_ids),
         "drafter.mask_token_id": config.drafter.mask_token_id,
         "drafter.num_layers": config.drafter.num_layers,
         "target": identity,
@@ -136,7 +190,7 @@ def training_signal(
 
 
 class Trainer:
-    """Single-process trainer (target and drafter colocated); the distributed trainer reuses `train_step`."""
+    """The drafter's training loop on one rank (alone: target and drafter colocated in this process)."""
 
     def __init__(
         self,
@@ -146,26 +200,44 @@ class Trainer:
         log: Log = print,
         reporters: list[Reporter] | None = None,
         watches: list[HealthWatch] | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
         self.config = config
+        self.runtime = runtime
+        self.is_logger = runtime is None or runtime.layout.is_logger
         self.log = log
-        self.reporters: list[Reporter] = [MetricsFile(), *(reporters or [])]
+        self.reporters: list[Reporter] = [MetricsFile(), *(reporters or [])] if self.is_logger else []
         self.watches: list[HealthWatch] = watches or []
         self.run_dir = Path(config.train.output_dir)
-        self.device = pick_device(config.train.device)
+        self.device = runtime.device if runtime is not None else pick_device(config.train.device)
         self.tokenizer = load_tokenizer(config)
         # Data is loaded (and an empty dataset refused) before any model is built.
-        self.train_data, self.eval_data = load_training_data(config, self.tokenizer)
-        log(self.train_data.summary.describe())
+        self.train_data, self.eval_data = load_run_data(config, self.tokenizer, runtime)
+        self._note(self.train_data.summary.describe())
         self.planner = BatchPlanner.from_config(self.train_data.lengths, config.data, config.train.seed)
-        self.total_steps = self.planner.total_batches(config.train.epochs)
+        layout = runtime.layout if runtime is not None else None
+        self.rounds = RoundPlanner(
+            self.planner,
+            drafters=layout.num_drafters if layout else 1,
+            grad_accum=config.train.grad_accum,
+            targets=layout.num_targets if layout else 0,
+        )
+        self.total_steps = self.rounds.total_steps(config.train.epochs)
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
 
-        self.target = load_target(config, self.device)
-        self.drafter = DFlashDrafter(DrafterArch.from_config(config, self.target), seed=config.train.seed).to(
-            self.device
-        )
+        self.target: TargetModel | None = None
+        if layout is not None and not layout.colocated:  # split: no target here, only its heads
+            text_config = target_text_config(config.target)
+            layer_ids = resolve_layer_ids(config.drafter, text_config.num_hidden_layers)
+            self.heads = BorrowedHeads(*receive_heads(runtime, target_dtype(config.target, self.device)))
+            arch = DrafterArch.from_config(config, text_config)
+        else:
+            self.target = load_target(config, self.device)
+            layer_ids = self.target.layer_ids
+            self.heads = BorrowedHeads(self.target.embed_tokens, self.target.lm_head)
+            arch = DrafterArch.from_config(config, self.target)
+        self.drafter = DFlashDrafter(arch, seed=config.train.seed).to(self.device)
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(),
             lr=config.train.lr,
@@ -174,17 +246,33 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.gamma = config.train.gamma or default_gamma(config.drafter.block_size)
-        self.signal = training_signal(config, self.target, self.tokenizer)
+        self.signal = training_signal(config, layer_ids, self.tokenizer)
         self.step = 0
         self.cursor = DataCursor()
-        if resume:
-            self._resume()
+        resumed = self._resume() if resume and self.is_logger else False
+        if runtime is not None:
+            resumed = self._agree_on_start(runtime, resumed)
+        # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
+        self.compile_report = prepare_compiled_training(
+            config, self.target or self.heads, self.drafter, self.device, log
+        )
+        self.watches = [*self.watches, *self.compile_report.watches]
+        self.model: nn.Module = self.drafter
+        if runtime is not None and runtime.layout.num_drafters > 1:
+            self.model = wrap_for_drafter_group(self.drafter, runtime)  # broadcasts rank 0's weights
+            if resumed:
+                broadcast_optimizer_state(self.optimizer, runtime)
         self._stop_requested = False
 
     # ---- the step ---------------------------------------------------------------------------------
 
-    def train_step(self, features: FeatureBatch) -> StepOutput:
-        """One optimizer step on one feature batch (no host sync: metrics stay on the device)."""
+    def train_step(self, batches: StepBatches) -> StepOutput:
+        """One optimizer step over this rank's micro-batches (no host sync: metrics stay on the device).
+
+        Each micro-batch's loss is divided by their number and gradients accumulate; with DDP the
+        all-reduce runs on the last one only and averages over the drafter group. Padding batches
+        carry zero loss: alone they are skipped, with DDP they run so every rank all-reduces alike.
+        """
         train = self.config.train
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate(self.step, self.total_steps, train)
@@ -194,78 +282,91 @@ class Trainer:
             dtype=torch.bfloat16,
             enabled=self.device.type == "cuda" and train.precision == "bf16",
         )
-        with autocast:
-            out = drafter_loss(
-                self.drafter,
-                features,
-                self.target.embed_tokens,
-                self.target.lm_head,
-                gamma=self.gamma,
-                chunk_size=train.loss_chunk_size,
-                noise_std=noise_std,
-                generator=self._noise_generator() if noise_std > 0 else None,
-            )
-        out.loss.backward()
+        distributed = self.model is not self.drafter
+        micro = batches.micro
+        sums = torch.zeros(4, device=self.device)
+        for number, item in enumerate(micro):
+            if item.planned is None and not distributed:
+                continue
+            last = number == len(micro) - 1
+            no_sync = self.model.no_sync() if distributed and not last else nullcontext()  # type: ignore[operator]
+            position = number * self.rounds.drafters + self._drafter_index
+            with no_sync:  # DDP: forward and backward both inside, so only the last micro-batch all-reduces
+                with autocast, recompile_errors():
+                    out = drafter_loss(
+                        self.model,
+                        item.features,
+                        self.heads.embed_tokens,
+                        self.heads.lm_head,
+                        gamma=self.gamma,
+                        chunk_size=train.loss_chunk_size,
+                        noise_std=noise_std,
+                        generator=self._noise_generator(position) if noise_std > 0 else None,
+                    )
+                (out.loss / len(micro)).backward()
+            if item.planned is not None:
+                sums += torch.stack(
+                    [out.loss.detach().float(), out.acc.float(), out.streak.float(), sums.new_ones(())]
+                )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return StepOutput(out.loss.detach(), out.acc, out.streak, out.noise, grad_norm.detach())
+        return StepOutput(sums, float(noise_std), grad_norm.detach(), batches.round)
 
-    def _noise_generator(self) -> torch.Generator:
-        digest = hashlib.blake2b(
-            f"noise:{self.config.train.seed}:{self.step}".encode(), digest_size=8
-        ).digest()
+    @property
+    def _drafter_index(self) -> int:
+        return self.runtime.layout.index if self.runtime is not None else 0
+
+    def _noise_generator(self, position: int) -> torch.Generator:
+        """Noise of (seed, step, position in the round): the same batch gets the same noise on any topology."""
+        key = f"noise:{self.config.train.seed}:{self.step}" + (f":{position}" if position else "")
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
         return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
     # ---- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> TrainResult:
         config, train = self.config, self.config.train
-        self._write_run_files()
-        source = ColocatedFeatureSource(
-            self.target,
-            self.train_data,
-            self.planner,
-            token_budget=config.data.token_budget,
-            anchors=train.anchors,
-            pad_token_id=pad_token_id(self.tokenizer),
-            seed=train.seed,
-        )
-        self.log(
+        if self.is_logger:
+            self._write_run_files()
+        source = self._feature_source()
+        self._note(
             f"training {sum(p.numel() for p in self.drafter.parameters()) / 1e6:.2f}M drafter parameters on "
-            f"{self.device}: {self.total_steps} steps ({train.epochs} epochs of "
-            f"{self.planner.total_batches(1)} batches), resuming at step {self.step}"
+            f"{self._where()}: {self.total_steps} steps ({train.epochs} epochs of "
+            f"{self.planner.total_batches(1)} batches, {self.rounds.size} per step), resuming at step {self.step}"
         )
+        if train.eval_every and self.target is None:
+            self._note(
+                "periodic eval (train.eval_every) needs the target on the drafter rank: skipped in a split "
+                "topology; measure tau offline with `dflash eval RUN_DIR` on the checkpoints"
+            )
         losses: list[float] = []
         evals: list[dict[str, Any]] = []
-        window = _Window(time.monotonic(), self.step, 0, 0)
-        pending: list[tuple[PlannedBatch, StepOutput]] = []
+        window = Window(time.monotonic(), self.step, 0, 0, 0)  # this process's counters start at 0
+        pending: list[StepOutput] = []
         started = time.monotonic()
         checkpoint = self.run_dir
         previous_handlers = self._install_signal_handlers()
         exit_reason = "completed"
         try:
-            for planned, features in source.batches(self.cursor, train.epochs):
-                if self.step >= self.total_steps:
-                    break
-                pending.append((planned, self.train_step(features)))
-                self.cursor = planned.next_cursor
+            for batches in source.steps(self.cursor, train.epochs, self.total_steps - self.step):
+                pending.append(self.train_step(batches))
+                self.cursor = batches.next_cursor
                 if self.step % config.telemetry.log_every == 0 or self.step == self.total_steps:
-                    losses += self._log(pending, window, source, started, planned.epoch)
+                    logged, window = self._log(pending, window, source, started)
+                    losses += logged
                     pending = []
-                    window = _Window(
-                        time.monotonic(), self.step, source.stats.target_batches, source.stats.real_tokens
-                    )
-                if train.eval_every and self.step % train.eval_every == 0:
+                if self._eval_due():
                     evals.append(self.evaluate())
-                if self.step % train.save_every == 0 or self._stop_requested:
+                stop = self._stop_agreed()
+                if self.step % train.save_every == 0 or stop:
                     checkpoint = self.save()
-                if self._stop_requested:
+                if stop:
                     exit_reason = "stopped"
                     raise TrainingStopped(self.step, checkpoint)
             if pending:
-                losses += self._log(pending, window, source, started, self.cursor.epoch)
+                losses += self._log(pending, window, source, started)[0]
             checkpoint = self.save()
         except TrainingStopped:
             raise
@@ -277,61 +378,121 @@ class Trainer:
         finally:
             source.close()
             self._restore_signal_handlers(previous_handlers)
-            for reporter in self.reporters:
-                reporter.on_exit(exit_reason, self.step)
-        self.log(f"done: {self.step} steps in {time.monotonic() - started:.0f}s; checkpoint {checkpoint}")
+            self._finish(exit_reason)
+        self._note(f"done: {self.step} steps in {time.monotonic() - started:.0f}s; checkpoint {checkpoint}")
         return TrainResult(self.run_dir, self.step, checkpoint, losses, evals)
 
+    def _eval_due(self) -> bool:
+        """Periodic eval runs on the logging rank when it holds the target (the others wait at the next step)."""
+        every = self.config.train.eval_every
+        return bool(every) and self.step % every == 0 and self.target is not None and self.is_logger
+
+    def _feature_source(self) -> FeatureSource:
+        config, runtime = self.config, self.runtime
+        if self.target is not None:
+            return ColocatedFeatureSource(
+                self.target,
+                self.train_data,
+                self.rounds,
+                drafter=self._drafter_index,
+                token_budget=config.data.token_budget,
+                anchors=config.train.anchors,
+                pad_token_id=pad_token_id(self.tokenizer),
+                seed=config.train.seed,
+            )
+        assert runtime is not None
+        return RemoteFeatureSource(
+            runtime,
+            self.rounds,
+            token_budget=config.data.token_budget,
+            anchors=config.train.anchors,
+            feature_size=self.drafter.arch.feature_size,
+            dtype=self.heads.embed_tokens.weight.dtype,
+            capacity=config.topology.feature_queue,
+        )
+
+    def _finish(self, exit_reason: str) -> None:
+        if self.runtime is not None and self.is_logger and not exit_reason.startswith("failed"):
+            self.runtime.side.publish_finished(exit_reason, self.step)  # target ranks stop waiting
+        for reporter in self.reporters:
+            reporter.on_exit(exit_reason, self.step)
+
     def _log(
-        self,
-        pending: list[tuple[PlannedBatch, StepOutput]],
-        window: _Window,
-        source: ColocatedFeatureSource,
-        started: float,
-        epoch: int,
-    ) -> list[float]:
-        """Average the window's metrics (one host sync per log line, not per step) and print the line."""
-        outputs = [out for _, out in pending]
-        losses = torch.stack([out.loss.float() for out in outputs]).tolist()
-        for offset, ((planned, _), loss) in enumerate(zip(pending, losses, strict=True)):
+        self, pending: list[StepOutput], window: Window, source: FeatureSource, started: float
+    ) -> tuple[list[float], Window]:
+        """Gather the window's metrics over the drafter ranks (one host sync per log line, not per step),
+        print the line on the logging rank, and return the per-step losses and the next window."""
+        stats = source.stats
+        mine = RankCounters(
+            stats.drafter_batches,
+            stats.real_tokens,
+            stats.target_batches,
+            sum(stats.q_hs),
+            round(stats.wait_seconds * 1000),
+            stats.from_targets,
+        )
+        gathered = gather_window(self.runtime, torch.stack([out.totals for out in pending]), mine)
+        losses = gathered.step_losses
+        for offset, loss in enumerate(losses):
             if not math.isfinite(loss):
-                raise NonFiniteLoss(window.step + offset + 1, planned)
-        grad_norm = torch.stack([out.grad_norm.float() for out in outputs]).mean().item()
-        acc = torch.stack([out.acc.float() for out in outputs]).mean().item()
-        streak = torch.stack([out.streak.float() for out in outputs]).mean().item()
+                raise NonFiniteLoss(window.step + offset + 1, pending[offset].round)
         now = time.monotonic()
+        targets = target_view(self.runtime, gathered, reader=self.is_logger)
+        following = Window(
+            now,
+            self.step,
+            sum(c.drafter_batches for c in gathered.counters),
+            sum(c.real_tokens for c in gathered.counters),
+            targets.total,
+        )
+        if not self.is_logger:
+            return losses, following
         seconds = max(now - window.started, 1e-9)
         steps = self.step - window.step
-        batches_per_epoch = len(self.planner.plan(epoch))
-        remaining = self.total_steps - self.step
         line = LogLine(
             elapsed_s=now - started,
             step=self.step,
             loss=sum(losses) / len(losses),
-            acc=acc,
-            streak=streak,
+            acc=gathered.mean("acc"),
+            streak=gathered.mean("streak"),
             lr=self.optimizer.param_groups[0]["lr"],
-            noise=outputs[-1].noise,
-            target_batches_per_s=(source.stats.target_batches - window.target_batches) / seconds,
-            drafter_batches_per_s=steps / seconds,
-            tokens_per_s=(source.stats.real_tokens - window.real_tokens) / seconds,
-            q_pre=source.stats.q_pre,
-            q_hs=source.stats.q_hs,
-            epoch_progress=epoch + self.cursor.batch / max(1, batches_per_epoch),
-            eta_s=remaining * seconds / max(1, steps),
+            noise=pending[-1].noise,
+            target_batches_per_s=(following.target_batches - window.target_batches) / seconds,
+            drafter_batches_per_s=(following.drafter_batches - window.drafter_batches) / seconds,
+            tokens_per_s=(following.real_tokens - window.real_tokens) / seconds,
+            q_pre=targets.q_pre,
+            q_hs=[c.q_hs for c in gathered.counters],
+            epoch_progress=self._epoch_progress(),
+            eta_s=(self.total_steps - self.step) * seconds / max(1, steps),
             memory_gb=_cuda_memory_gb(self.device),
         )
-        record = {**asdict(line), "step_losses": losses, "grad_norm": grad_norm}
+        record = {
+            **asdict(line),
+            "step_losses": losses,
+            "grad_norm": torch.stack([out.grad_norm.float() for out in pending]).mean().item(),
+            "drafter_batch_counts": [c.drafter_batches for c in gathered.counters],
+            "target_batch_counts": targets.counts,
+            "feature_wait_s": [c.wait_ms / 1000 for c in gathered.counters],
+            "target_forward_s": targets.forward_s,
+        }
         line.events = record["events"] = [event for watch in self.watches for event in watch.check(record)]
         self.log(line.render())
         for reporter in self.reporters:
             reporter.on_log(record)
-        return losses
+        return losses, following
+
+    def _epoch_progress(self) -> float:
+        epoch, batch = self.cursor.epoch, self.cursor.batch
+        if batch == 0:
+            return float(epoch)  # at an epoch boundary (the next epoch's plan may not even exist)
+        return epoch + batch / max(1, len(self.planner.plan(epoch)))
 
     # ---- eval -------------------------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, Any]:
         """Acceptance length tau of the current drafter on held-out prompts (greedy speculative decoding)."""
+        if self.target is None:
+            raise UserError("eval: this rank holds no target (split topology); use `dflash eval RUN_DIR`")
         train = self.config.train
         prompts = prompts_from_dataset(self.eval_data, train.eval_prompts)
         autocast = torch.bfloat16 if self.device.type == "cuda" and train.precision == "bf16" else None
@@ -361,7 +522,9 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        """Write a complete checkpoint of the current step and tell the reporters."""
+        """Write a complete checkpoint of the current step (drafter rank 0 only) and tell the reporters."""
+        if not self.is_logger:
+            return checkpoint_root(self.run_dir) / f"{PREFIX}{self.step:08d}"
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -376,6 +539,7 @@ class Trainer:
                 "plan": self.planner.fingerprint,
                 "total_steps": self.total_steps,
                 "signal": self.signal,
+                "batches_per_step": self.rounds.size,
             },
             keep_last=self.config.train.keep_last,
         )
@@ -383,11 +547,12 @@ class Trainer:
             reporter.on_checkpoint(path, self.step)
         return path
 
-    def _resume(self) -> None:
+    def _resume(self) -> bool:
+        """Load the latest good checkpoint into this rank; False when there is none."""
         checkpoint = load_latest_checkpoint(self.run_dir, map_location=self.device)
         if checkpoint is None:
             self.log(f"no checkpoint in {self.run_dir}; starting from step 0")
-            return
+            return False
         check_training_signal(checkpoint.state["signal"], self.signal, checkpoint.path)
         if checkpoint.state["plan"] != self.planner.fingerprint:
             raise UserError(
@@ -404,6 +569,23 @@ class Trainer:
         self.log(
             f"resumed from {checkpoint.path} at step {self.step} (epoch {self.cursor.epoch}, batch {self.cursor.batch})"
         )
+        saved_size = checkpoint.state.get("batches_per_step", 1)
+        if saved_size != self.rounds.size:
+            self.log(
+                f"note: the checkpoint trained {saved_size} batches per step, this run {self.rounds.size} "
+                "(drafter ranks x train.grad_accum): the data continues at the saved position, but the "
+                "learning-rate schedule and steps per epoch change"
+            )
+        return True
+
+    def _agree_on_start(self, runtime: Runtime, resumed: bool) -> bool:
+        """Drafter rank 0 publishes where training starts; every other rank (targets too) takes it."""
+        if self.is_logger:
+            runtime.side.publish_start(StartPoint(self.step, self.cursor, resumed))
+            return resumed
+        start = runtime.side.wait_start(runtime.recv_timeout_s)
+        self.step, self.cursor = start.step, start.cursor
+        return start.resumed
 
     # ---- run directory ------------------------------------------------------------------------------
 
@@ -418,29 +600,41 @@ class Trainer:
         for reporter in self.reporters:
             reporter.on_start(self.run_dir, config, fingerprint)
 
+    def _note(self, line: str) -> None:
+        """A line only the logging rank prints (every drafter rank would print the same)."""
+        if self.is_logger:
+            self.log(line)
+
+    def _where(self) -> str:
+        if self.runtime is None:
+            return str(self.device)
+        layout = self.runtime.layout
+        if layout.colocated:
+            return f"{layout.num_drafters} colocated ranks ({self.device.type})"
+        return f"{layout.num_drafters} drafter + {layout.num_targets} target ranks ({self.device.type})"
+
     # ---- signals ------------------------------------------------------------------------------------
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         def request_stop(signum: int, frame: Any) -> None:
-            self.log(f"received {signal.Signals(signum).name}: checkpointing after this step")
+            self._note(f"received {signal.Signals(signum).name}: checkpointing after this step")
             self._stop_requested = True
 
         return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _stop_agreed(self) -> bool:
+        """Stop after this step? Every drafter rank must stop at the same step: agree on the host (gloo)."""
+        runtime = self.runtime
+        if runtime is None or runtime.drafter_control is None or runtime.layout.num_drafters == 1:
+            return self._stop_requested
+        flag = torch.tensor([int(self._stop_requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=runtime.drafter_control)
+        return bool(flag.item())
 
     @staticmethod
     def _restore_signal_handlers(previous: dict[int, Any]) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-@dataclass
-class _Window:
-    """Counters at the previous log line; rates are over the window since then."""
-
-    started: float
-    step: int
-    target_batches: int
-    real_tokens: int
 
 
 def _cuda_memory_gb(device: torch.device) -> tuple[float, float] | None:

@@ -1,0 +1,213 @@
+"""A target rank: prepare its batches, run the frozen target, send the features to their drafters.
+
+Three stages, each bounded: a data thread collates and packs the rank's batches ahead of time
+(`q_pre`, at most `topology.prefetch_batches`); the main thread runs the target forward and keeps
+the real tokens' features, padded to the row's fixed shape; the send thread ships each batch to its
+drafter (`transport.FeatureSender`). Target ranks hold no drafter and no optimizer. They produce
+exactly the batches the drafters will train on (the same rounds, from the start point drafter
+rank 0 publishes), so on a normal finish every send has been received.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from app.config import RunConfig
+from app.data.batch import TargetBatch
+from app.data.batching import BatchPlanner, collate
+from app.data.dataset import TokenizedDataset
+from app.data.packing import pack_row, pad_features, real_token_features
+from app.model.target import TargetModel, load_target
+from app.pipeline.assignment import Delivery, RoundPlanner
+from app.pipeline.distributed import Runtime
+from app.pipeline.sidechannel import SideChannel
+from app.pipeline.transport import FeatureSender, Outgoing, TransportError, encode_meta, send_heads
+
+Log = Callable[[str], None]
+
+
+class TargetStopped(Exception):
+    """The drafters stopped early (a signal): this target rank stops producing; pending sends are dropped."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "stopped: the drafters stopped early (a signal); batches not yet received are dropped"
+        )
+
+
+@dataclass
+class Prepared:
+    """A batch collated and packed on the host, waiting for the target forward (`q_pre`)."""
+
+    delivery: Delivery
+    batch: TargetBatch
+    meta: torch.Tensor
+
+
+class TargetWorker:
+    """The whole life of a target rank; `run()` returns when its last batch has been received."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        runtime: Runtime,
+        train_data: TokenizedDataset,
+        planner: BatchPlanner,
+        pad_id: int,
+        log: Log,
+    ) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.train_data = train_data
+        self.planner = planner
+        self.pad_id = pad_id
+        self.log = log
+        layout = runtime.layout
+        self.index = layout.index
+        self.rounds = RoundPlanner(
+            planner,
+            drafters=layout.num_drafters,
+            grad_accum=config.train.grad_accum,
+            targets=layout.num_targets,
+        )
+        self.total_steps = self.rounds.total_steps(config.train.epochs)
+        if config.train.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.train.max_steps)
+        self.target: TargetModel = load_target(config, runtime.device)
+        self._prepared: queue.Queue[Prepared | BaseException | None] = queue.Queue(
+            maxsize=config.topology.prefetch_batches
+        )
+        self._stop = threading.Event()
+        self._stats_channel = SideChannel.connect(config.topology.recv_timeout_s)
+        self.batches = 0
+        self.forward_seconds = 0.0
+
+    def run(self) -> None:
+        runtime, layout = self.runtime, self.runtime.layout
+        if self.index == 0:
+            send_heads(runtime, self.target.embed_tokens, self.target.lm_head)
+        start = runtime.side.wait_start(runtime.recv_timeout_s)
+        steps = self.total_steps - start.step
+        mine = (
+            delivery
+            for delivery in self.rounds.deliveries(start.cursor, self.config.train.epochs, steps)
+            if delivery.target == self.index
+        )
+        self.log(
+            f"producing for {steps} steps from epoch {start.cursor.epoch} batch {start.cursor.batch} "
+            f"(batches i with i mod {layout.num_targets} = {self.index} of each epoch's plan)"
+        )
+        preparer = threading.Thread(target=self._prepare, args=(mine,), name="dflash-prepare", daemon=True)
+        preparer.start()
+        sender = FeatureSender(runtime, self._sent)
+        previous_handlers = self._keep_feeding_on_signals()
+        try:
+            while (prepared := self._next_prepared()) is not None:
+                if not sender.put(self._forward(prepared), abandon=self._drafters_stopped):
+                    raise TargetStopped()
+            if not sender.finish(abandon=self._drafters_stopped):
+                raise TargetStopped()
+        except TransportError:
+            if self._drafters_stopped():  # a drafter that stopped on purpose closed its connections
+                raise TargetStopped() from None
+            raise
+        finally:
+            self._stop.set()
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+        self.log(f"done: {self.batches} batches sent, {self.forward_seconds:.0f}s in the target forward")
+
+    def _keep_feeding_on_signals(self) -> dict[int, object]:
+        """SIGTERM/SIGINT (docker stop reaches every rank) do not stop a target: the drafters agree on the
+        step to stop after, and may still need batches for it; they publish "stopped" and this rank
+        then ends (`TargetStopped`). A dead drafter group brings it down through the watchdog instead."""
+
+        def note(signum: int, frame: object) -> None:
+            self.log(f"received {signal.Signals(signum).name}: feeding the drafters until they stop")
+
+        return {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _next_prepared(self) -> Prepared | None:
+        while True:
+            try:
+                item = self._prepared.get(timeout=0.2)
+            except queue.Empty:
+                if self._drafters_stopped():
+                    raise TargetStopped() from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _prepare(self, deliveries: Iterator[Delivery]) -> None:
+        """Data thread: collate + pack this rank's batches ahead of the forward (host work; pinned on GPU)."""
+        if self.runtime.device.type == "cuda":
+            torch.cuda.set_device(self.runtime.device)  # pinning must not open a context on GPU 0
+        try:
+            for delivery in deliveries:
+                item = self._collate(delivery)
+                while not self._stop.is_set():
+                    try:
+                        self._prepared.put(item, timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._prepared.put(None)
+        except BaseException as error:
+            self._prepared.put(error)
+
+    def _collate(self, delivery: Delivery) -> Prepared:
+        planned = delivery.batch
+        batch = collate(self.train_data, planned.sample_ids, self.pad_id)
+        row = pack_row(
+            batch,
+            token_budget=self.config.data.token_budget,
+            anchors=self.config.train.anchors,
+            pad_token_id=self.pad_id,
+            seed=self.config.train.seed,
+            epoch=planned.epoch,
+            index=planned.index,
+        )
+        real_tokens = int(batch.attention_mask.sum())
+        if self.runtime.device.type == "cuda":  # pinned: the forward's copy to the GPU does not block
+            batch = TargetBatch(**{name: t.pin_memory() for name, t in vars(batch).items()})
+        return Prepared(delivery, batch, encode_meta(planned, row, real_tokens))
+
+    def _forward(self, prepared: Prepared) -> Outgoing:
+        device = self.runtime.device
+        started = time.perf_counter()
+        batch = prepared.batch.to(device)
+        features = self.target.features(batch.input_ids, batch.attention_mask)
+        # Only the real tokens' features travel, padded to the row's fixed shape: every send is alike.
+        padded = pad_features(real_token_features(batch, features), self.config.data.token_budget)
+        ready = None
+        if device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self.forward_seconds += time.perf_counter() - started
+        return Outgoing(prepared.delivery, prepared.meta, padded, ready)
+
+    def _sent(self, item: Outgoing) -> None:
+        """Send thread, after each batch: counters for the drafters' log line."""
+        self.batches += 1
+        self._stats_channel.publish_target_stats(
+            self.index,
+            {"q_pre": self._prepared.qsize(), "forward_s": round(self.forward_seconds, 3)},
+        )
+
+    def _drafters_stopped(self) -> bool:
+        """The drafters stopped before the end (a signal): nothing more will be received.
+
+        A "completed" finish never abandons anything: the drafters received every batch first.
+        """
+        finished = self.runtime.side.finished()
+        return finished is not None and finished["reason"] == "stopped"

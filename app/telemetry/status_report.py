@@ -1,0 +1,326 @@
+"""`dflash status RUN_DIR`: a run's status.json as a short document a person can act on.
+
+Goal, progress, health, what changed since the last good run (environment fingerprint and config diff),
+the last checkpoint, and what to do next. "The last good run" is `--against RUN_DIR` when given, else
+the newest sibling run directory (same parent) whose status says completed and healthy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.env import Difference, diff_fingerprints, load_fingerprint
+from app.errors import UserError
+from app.telemetry.logline import format_duration
+from app.telemetry.status import read_status, seconds_since
+
+STALE_AFTER_S = 15 * 60
+"""A running run whose status.json is older than this is probably dead (it is rewritten every few steps)."""
+EVENTS_SHOWN = 10
+CONFIG_KEYS_THAT_ALWAYS_DIFFER = {"train.output_dir", "telemetry.run_name", "storage.s3_uri"}
+
+
+@dataclass
+class Comparison:
+    """This run against an earlier good one."""
+
+    against: Path
+    chosen_by: str
+    environment: list[Difference] = field(default_factory=list)
+    config: list[tuple[str, Any, Any]] = field(default_factory=list)
+    status: dict[str, Any] | None = None
+    problem: str | None = None
+    """Why the comparison is incomplete (a missing fingerprint or config), if it is."""
+
+
+def is_good(status: dict[str, Any]) -> bool:
+    return status.get("state") == "completed" and status.get("health", {}).get("state") == "healthy"
+
+
+def find_last_good_run(run_dir: Path) -> Path | None:
+    """The newest completed, healthy sibling of `run_dir` (by finish time), or None."""
+    run_dir = run_dir.resolve()
+    good: list[tuple[str, Path]] = []
+    for sibling in sorted(run_dir.parent.iterdir()):
+        if sibling == run_dir or not sibling.is_dir():
+            continue
+        try:
+            status = read_status(sibling)
+        except UserError:
+            continue
+        if is_good(status):
+            good.append((status.get("finished_at") or "", sibling))
+    return max(good)[1] if good else None
+
+
+def compare_runs(run_dir: Path, against: Path, chosen_by: str) -> Comparison:
+    comparison = Comparison(against=against, chosen_by=chosen_by)
+    try:
+        comparison.status = read_status(against)
+    except UserError:
+        comparison.status = None
+    problems = []
+    try:
+        comparison.environment = diff_fingerprints(load_fingerprint(against), load_fingerprint(run_dir))
+    except UserError as error:
+        problems.append(str(error))
+    try:
+        before, after = (_flat_config(path) for path in (against, run_dir))
+    except UserError as error:
+        problems.append(str(error))
+    else:
+        comparison.config = [
+            (key, before.get(key), after.get(key))
+            for key in sorted(before.keys() | after.keys())
+            if before.get(key) != after.get(key) and key not in CONFIG_KEYS_THAT_ALWAYS_DIFFER
+        ]
+    comparison.problem = "; ".join(problems) or None
+    return comparison
+
+
+def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool]:
+    """The status document and whether the run is healthy (not degraded, failed or stale)."""
+    status = read_status(run_dir)
+    if against is not None:
+        read_status(against)  # a wrong --against is a usage error, said before anything else
+        comparison: Comparison | None = compare_runs(run_dir, against, "--against")
+    else:
+        last_good = find_last_good_run(run_dir)
+        comparison = (
+            compare_runs(run_dir, last_good, "newest completed healthy sibling") if last_good else None
+        )
+    stale_s = _stale_seconds(status)
+    lines = [
+        f"run {status.get('run_name')} ({status.get('run_dir', run_dir)})",
+        f"goal: {status.get('goal', {}).get('text', '?')}",
+        f"state: {_state_line(status, stale_s)}",
+        f"progress: {_progress_line(status)}",
+        f"throughput: {_throughput_line(status, comparison)}",
+    ]
+    if status.get("memory_gb"):
+        allocated, reserved = status["memory_gb"]
+        lines.append(f"memory: {allocated:.1f} GB allocated / {reserved:.1f} GB reserved")
+    for attempt in status.get("attempts", []):
+        lines.append(
+            f"earlier attempt: {attempt.get('exit_reason')} at step {attempt.get('step')} ({attempt.get('finished_at') or '?'})"
+        )
+    lines += ["", *_health_lines(status), "", *_change_lines(comparison), "", *_checkpoint_lines(status)]
+    lines += ["", "next:", *(f"  - {step}" for step in next_steps(run_dir, status, comparison, stale_s))]
+    healthy = status.get("health", {}).get("state") == "healthy" and stale_s is None
+    return "\n".join(lines) + "\n", healthy
+
+
+# ---- sections ---------------------------------------------------------------------------------------
+
+
+def _state_line(status: dict[str, Any], stale_s: float | None) -> str:
+    state, step = status.get("state"), status.get("progress", {}).get("step")
+    if state == "running":
+        updated = seconds_since(status.get("updated_at"))
+        line = f"running, step {step}, status updated {format_duration(updated or 0)} ago"
+        if stale_s is not None:
+            line += f" -- STALE: no update for {format_duration(stale_s)}, the process may be dead"
+        return line
+    if state == "failed":
+        return f"FAILED at step {step}: {str(status.get('exit_reason', '')).removeprefix('failed: ')}"
+    return f"{state} at step {step} ({status.get('finished_at')})"
+
+
+def _progress_line(status: dict[str, Any]) -> str:
+    progress, goal = status.get("progress", {}), status.get("goal", {})
+    parts = [
+        f"step {progress.get('step', 0)}"
+        + (f" of {progress['total_steps']}" if progress.get("total_steps") else "")
+    ]
+    if progress.get("epoch_progress") is not None:
+        parts.append(f"epoch {progress['epoch_progress']:.2f} of {goal.get('epochs', '?')}")
+    if status.get("state") == "running" and progress.get("eta_s") is not None:
+        parts.append(f"ETA {format_duration(progress['eta_s'])}")
+    line = ", ".join(parts)
+    if progress.get("loss") is not None:
+        line += f"; loss {progress['loss']:.4f} acc {progress.get('acc', 0):.3f} streak {progress.get('streak', 0):.2f}"
+    if status.get("eval"):
+        line += f"; eval tau {status['eval'].get('tau', 0):.3f} (step {status['eval'].get('step')})"
+    return line
+
+
+def _throughput_line(status: dict[str, Any], comparison: Comparison | None) -> str:
+    throughput = status.get("throughput") or {}
+    if throughput.get("tokens_per_s") is None:
+        return "no log line yet"
+    line = f"{throughput['tokens_per_s'] / 1000:.1f}Ktok/s"
+    if throughput.get("step_time_s"):
+        line += f", {throughput['step_time_s']:.3g} s/step"
+    line += f" (mean of the last {throughput.get('log_lines', '?')} log lines)"
+    baseline = throughput.get("baseline")
+    if baseline and throughput.get("vs_baseline") is not None:
+        line += f"; {throughput['vs_baseline']:.0%} of the baseline ({baseline.get('source')})"
+    then = ((comparison.status or {}).get("throughput") or {}).get("tokens_per_s") if comparison else None
+    if then:
+        line += f"; last good run: {then / 1000:.1f}Ktok/s ({throughput['tokens_per_s'] / then:.0%} of it)"
+    return line
+
+
+def _health_lines(status: dict[str, Any]) -> list[str]:
+    health = status.get("health", {})
+    events, count = health.get("events", []), health.get("event_count", 0)
+    lines = [f"health: {str(health.get('state', '?')).upper()} ({count} event{'s' * (count != 1)})"]
+    lines += [f"  active: {condition}" for condition in health.get("active", [])]
+    if count > len(events[-EVENTS_SHOWN:]):
+        lines.append(f"  (the last {len(events[-EVENTS_SHOWN:])} of {count})")
+    lines += [f"  step {event.get('step')}: {event.get('message')}" for event in events[-EVENTS_SHOWN:]]
+    return lines
+
+
+def _change_lines(comparison: Comparison | None) -> list[str]:
+    if comparison is None:
+        return [
+            "what changed: no completed, healthy run next to this one to compare with; "
+            "name one with --against RUN_DIR"
+        ]
+    lines = [f"what changed since the last good run {comparison.against} ({comparison.chosen_by}):"]
+    if comparison.problem:
+        lines.append(f"  (incomplete: {comparison.problem})")
+    breaking = [d for d in comparison.environment if d.breaking]
+    cosmetic = [d for d in comparison.environment if not d.breaking]
+    if breaking:
+        lines.append(f"  environment: {len(breaking)} breaking difference{'s' * (len(breaking) != 1)}")
+        lines += [f"    {d.field}: {_shown(d.old)} -> {_shown(d.new)} ({d.why})" for d in breaking]
+    else:
+        lines.append("  environment: same training stack")
+    if cosmetic:
+        lines.append(f"    cosmetic: {', '.join(d.field for d in cosmetic)}")
+    if comparison.config:
+        count = len(comparison.config)
+        lines.append(f"  config: {count} setting{'s differ' if count != 1 else ' differs'}")
+        lines += [f"    {key}: {_shown(old)} -> {_shown(new)}" for key, old, new in comparison.config]
+    else:
+        lines.append("  config: same settings")
+    return lines
+
+
+def _checkpoint_lines(status: dict[str, Any]) -> list[str]:
+    checkpoint = status.get("last_checkpoint")
+    lines = [
+        f"last checkpoint: {checkpoint['path']} (step {checkpoint['step']}, {checkpoint['at']})"
+        if checkpoint
+        else "last checkpoint: none yet"
+    ]
+    storage = status.get("storage")
+    if storage:
+        synced = storage.get("synced_checkpoint")
+        line = f"  S3 {storage.get('s3_uri')}: " + (
+            f"{synced['name']} synced ({synced['at']})" if synced else "nothing synced by this attempt yet"
+        )
+        if storage.get("pending"):
+            line += f"; pending: {', '.join(storage['pending'])}"
+        if storage.get("last_error"):
+            line += f"; last error: {storage['last_error']}"
+        lines.append(line)
+    return lines
+
+
+# ---- what to do next ----------------------------------------------------------------------------------
+
+
+def next_steps(
+    run_dir: Path, status: dict[str, Any], comparison: Comparison | None, stale_s: float | None
+) -> list[str]:
+    state, reason = status.get("state"), str(status.get("exit_reason") or "")
+    checkpoint = status.get("last_checkpoint")
+
+    def resume(*overrides: str) -> str:
+        command = " ".join(
+            ["dflash train YOUR_CONFIG", f"train.output_dir={run_dir}", *overrides, "--resume"]
+        )
+        return (
+            f"`{command}` (continues from step {checkpoint['step']})" if checkpoint else "start the run again"
+        )
+
+    steps: list[str] = []
+    if state == "failed" and "NonFiniteLoss" in reason:
+        steps.append(
+            "the loss became NaN/inf at the step and batch named above: inspect those samples, or lower the "
+            f"learning rate: {resume('train.lr=<lower>')}"
+        )
+    elif state == "failed":
+        steps.append(f"fix the cause above, then {resume()}")
+    elif state == "stopped":
+        steps.append(f"stopped by a signal after a checkpoint: {resume()}")
+    elif state == "running" and stale_s is not None:
+        steps.append(f"check whether the training process is alive; if it died, {resume()}")
+    messages = " ".join(event.get("message", "") for event in status.get("health", {}).get("events", []))
+    messages += " ".join(status.get("health", {}).get("active", []))
+    breaking = [d for d in comparison.environment if d.breaking] if comparison else []
+    if breaking and comparison is not None:
+        steps.append(
+            f"the environment differs from {comparison.against} in {len(breaking)} breaking way(s): rebuild it "
+            f"from uv.lock (`uv sync --locked`, or the image) unless the change is intended; "
+            f"`dflash doctor --against {comparison.against}` shows the details"
+        )
+    if "throughput:" in messages:
+        steps.append(
+            "throughput is below its baseline: check that the compile cache matched and loaded with 0 misses "
+            "(the compile events above), that the GPUs are the ones the cache was built on, and `dflash doctor`"
+        )
+    if "compile:" in messages:
+        steps.append(
+            "kernels recompiled or missed the cache after warm-up: rebuild it for this stack (`just build-cache`)"
+        )
+    if "memory:" in messages:
+        steps.append("GPU memory is not flat: look for changing shapes or recompiles; a leak grows until OOM")
+    if "queues:" in messages:
+        steps.append(
+            "a pipeline stage is starved or blocked: rebalance topology.target_ranks : drafter_ranks "
+            "(`dflash bench` reports each stage's capacity)"
+        )
+    if not steps and state == "completed":
+        steps.append(
+            f"export the drafter: `dflash export {run_dir} --out {run_dir / 'export'}`; measure tau: `dflash eval {run_dir}`"
+        )
+    if not steps and state == "running":
+        eta = status.get("progress", {}).get("eta_s")
+        steps.append(
+            "nothing: the run is healthy" + (f"; expected to finish in {format_duration(eta)}" if eta else "")
+        )
+    return steps
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+
+
+def _stale_seconds(status: dict[str, Any]) -> float | None:
+    if status.get("state") != "running":
+        return None
+    age = seconds_since(status.get("updated_at"))
+    return age if age is not None and age > STALE_AFTER_S else None
+
+
+def _flat_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.json"
+    try:
+        return _flatten(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no resolved config recorded") from None
+    except (OSError, json.JSONDecodeError) as error:
+        raise UserError(f"{path}: unreadable ({error})") from None
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    """`section.field` -> value (a field's own mapping, e.g. target.architecture, is compared whole)."""
+    return {
+        f"{section}.{key}" if isinstance(fields, dict) else section: value
+        for section, fields in config.items()
+        for key, value in (fields.items() if isinstance(fields, dict) else [(section, fields)])
+    }
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "(absent)"
+    if isinstance(value, list | dict):
+        return json.dumps(value)
+    return str(value)

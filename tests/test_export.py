@@ -1,0 +1,269 @@
+"""HF DFlash export: reference layout and config, exact round trips, refusals, atomic writes, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, Qwen3Config
+
+from app.checkpoint.store import save_checkpoint
+from app.config import validate_config
+from app.errors import UserError
+from app.export import export_drafter, load_exported, load_trained_drafter
+from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.target import target_text_config
+
+VOCAB, HIDDEN, LAYERS, BLOCK, MASK = 300, 64, 8, 4, 7
+
+REFERENCE_LAYER_WEIGHTS = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
+
+
+def raw_config(**drafter) -> dict:
+    return {
+        "target": {
+            "architecture": {
+                "model_type": "qwen3",
+                "vocab_size": VOCAB,
+                "hidden_size": HIDDEN,
+                "intermediate_size": 96,
+                "num_hidden_layers": LAYERS,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "rope_theta": 5000.0,
+                "max_position_embeddings": 2048,
+            }
+        },
+        "drafter": {"num_layers": 2, "block_size": BLOCK, "mask_token_id": MASK, **drafter},
+        "data": {"token_budget": 128, "max_length": 64},
+        "train": {"anchors": 16, "device": "cpu"},
+    }
+
+
+def build(seed: int = 0, **drafter):
+    config = validate_config(raw_config(**drafter))
+    target = target_text_config(config.target)
+    return DFlashDrafter(DrafterArch.from_config(config, target), seed=seed), target
+
+
+def frozen_head():
+    generator = torch.Generator().manual_seed(0)
+    embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN).requires_grad_(False)
+    lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False)
+    for module in (embed_tokens, lm_head):
+        module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * 0.5)
+    return embed_tokens, lm_head
+
+
+def draft_logits(drafter: DFlashDrafter) -> torch.Tensor:
+    """Logits of one draft round over 12 context tokens (the inference path the engines mirror)."""
+    embed_tokens, lm_head = frozen_head()
+    features = torch.randn(12, drafter.arch.feature_size, generator=torch.Generator().manual_seed(1))
+    cache = drafter.new_cache()
+    drafter.extend_context(features, torch.arange(12), cache)
+    return drafter.draft_logits(cache, 42, 12, embed_tokens, lm_head)
+
+
+def test_weights_carry_exactly_the_reference_names_and_no_embedding(tmp_path: Path) -> None:
+    drafter, target = build()
+    out = export_drafter(drafter, tmp_path / "export", target)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    expected |= {f"layers.{i}.{name}" for i in range(2) for name in REFERENCE_LAYER_WEIGHTS}
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        assert set(weights.keys()) == expected
+        assert weights.metadata() == {"format": "pt"}  # transformers' from_pretrained requires it
+        dtypes = {weights.get_tensor(name).dtype for name in weights.keys()}  # noqa: SIM118 (not a dict)
+        assert dtypes == {torch.bfloat16}  # the default export dtype
+        assert weights.get_tensor("fc.weight").shape == (HIDDEN, 2 * HIDDEN)
+
+
+def test_config_states_every_field_the_serving_engines_read(tmp_path: Path) -> None:
+    drafter, target = build()
+    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 5], "block_size": BLOCK}
+    expected = {
+        "hidden_size": HIDDEN,
+        "target_hidden_size": HIDDEN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "rope_theta": 5000.0,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "block_size": BLOCK,
+        "num_target_layers": LAYERS,
+        "layer_types": ["full_attention", "full_attention"],
+        "sliding_window": None,
+    }
+    assert {key: config[key] for key in expected} == expected
+    assert config["rms_norm_eps"] == pytest.approx(1e-6)
+    # The engines parse it as a Qwen3 config: the extra DFlash fields must survive that.
+    parsed = AutoConfig.from_pretrained(out)
+    assert isinstance(parsed, Qwen3Config)
+    assert (parsed.num_hidden_layers, parsed.head_dim, parsed.num_key_value_heads) == (2, 16, 2)
+    assert parsed.dflash_config["target_layer_ids"] == [1, 5] and parsed.num_target_layers == LAYERS
+
+
+def test_fp32_round_trip_is_exact(tmp_path: Path) -> None:
+    drafter, target = build(seed=3)
+    loaded = load_exported(export_drafter(drafter, tmp_path / "export", target, dtype="fp32"))
+    assert loaded.arch == drafter.arch
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert torch.equal(draft_logits(loaded), draft_logits(drafter))
+
+
+def test_bf16_round_trip_is_within_rounding(tmp_path: Path) -> None:
+    drafter, target = build(seed=3)
+    out = export_drafter(drafter, tmp_path / "export", target)
+    assert load_exported(out).fc.weight.dtype == torch.bfloat16
+    loaded = load_exported(out, dtype=torch.float32)
+    reference = draft_logits(drafter)
+    torch.testing.assert_close(
+        draft_logits(loaded), reference, rtol=0.05, atol=0.05 * reference.abs().max().item()
+    )
+    assert torch.equal(draft_logits(loaded).argmax(-1), reference.argmax(-1))
+
+
+def test_sliding_window_layers_round_trip_as_layer_types(tmp_path: Path) -> None:
+    drafter, target = build(sliding_window=12, sliding_window_layers=[1])
+    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["sliding_window"] == 12
+    assert config["use_sliding_window"] is True
+    assert load_exported(out).arch == drafter.arch
+
+
+def test_export_refuses_a_drafter_that_does_not_fit_the_target(tmp_path: Path) -> None:
+    drafter, target = build()
+    small_vocab = Qwen3Config(**{**target.to_dict(), "vocab_size": MASK})
+    with pytest.raises(UserError, match="mask_token_id 7 is not a row of the target embedding"):
+        export_drafter(drafter, tmp_path / "a", small_vocab)
+    shallow = Qwen3Config(**{**target.to_dict(), "num_hidden_layers": 4, "layer_types": None})
+    with pytest.raises(UserError, match=r"target_layer_ids \[5\] are out of range for the 4-layer target"):
+        export_drafter(drafter, tmp_path / "b", shallow)
+    with torch.no_grad():
+        drafter.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(UserError, match=r"layers\.1\.mlp\.up_proj\.weight.*NaN"):
+        export_drafter(drafter, tmp_path / "c", target)
+    assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_export_replaces_an_earlier_export_atomically_and_protects_other_directories(tmp_path: Path) -> None:
+    first, target = build(seed=1)
+    second, _ = build(seed=2)
+    out = tmp_path / "export"
+    export_drafter(first, out, target, dtype="fp32")
+    export_drafter(second, out, target, dtype="fp32")
+    assert torch.equal(load_exported(out).fc.weight, second.fc.weight)
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no staging or set-aside directory left
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "todo.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not a DFlash export; refusing to replace it"):
+        export_drafter(first, precious, target)
+    assert (precious / "todo.txt").read_text() == "keep me"
+
+
+def test_load_exported_names_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"not a DFlash export \(missing config.json\)"):
+        load_exported(tmp_path)
+    drafter, target = build()
+    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32")
+    config = json.loads((out / "config.json").read_text())
+    del config["dflash_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="dflash_config is missing"):
+        load_exported(out)
+
+
+def make_run_dir(root: Path, drafter: DFlashDrafter, step: int = 7) -> Path:
+    """A run directory as the trainer leaves it: the resolved config as JSON and one checkpoint."""
+    run_dir = root / "run"
+    config = validate_config(raw_config())
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    save_checkpoint(run_dir, step, drafter.state_dict(), {}, {"cpu": torch.get_rng_state()}, {}, keep_last=2)
+    return run_dir
+
+
+def test_trained_drafter_loads_from_a_run_or_a_checkpoint_directory(tmp_path: Path) -> None:
+    drafter, _ = build(seed=5)
+    run_dir = make_run_dir(tmp_path, drafter)
+    from_run = load_trained_drafter(run_dir)
+    from_checkpoint = load_trained_drafter(run_dir / "checkpoints" / "step_00000007")
+    for trained in (from_run, from_checkpoint):
+        assert trained.step == 7
+        assert torch.equal(trained.build().fc.weight, drafter.fc.weight)
+    with pytest.raises(UserError, match="expected a run directory"):
+        load_trained_drafter(tmp_path)
+    (run_dir / "config.json").write_text(
+        json.dumps({**raw_config(), "drafter": {**raw_config()["drafter"], "num_layers": 3}})
+    )
+    with pytest.raises(
+        UserError, match=r"weights do not match the run config's drafter: missing \['layers\.2"
+    ):
+        load_trained_drafter(run_dir).build()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+    )
+
+
+def test_export_cli_writes_a_loadable_export(tmp_path: Path) -> None:
+    drafter, _ = build(seed=9)
+    run_dir = make_run_dir(tmp_path, drafter, step=12)
+    out = tmp_path / "exported"
+    done = run_cli("export", str(run_dir), "--out", str(out), "--dtype", "fp32")
+    assert done.returncode == 0, done.stderr
+    assert "exported step 12" in done.stdout and "target_layer_ids [1, 5]" in done.stdout
+    assert torch.equal(draft_logits(load_exported(out)), draft_logits(drafter))
+
+
+def test_export_cli_refuses_a_bad_source_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    from app.cli import main
+
+    monkeypatch.setattr(
+        sys, "argv", ["dflash", "export", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]
+    )
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert (
+        error.startswith("dflash: error:")
+        and "expected a run directory" in error
+        and len(error.splitlines()) == 1
+    )

@@ -1,0 +1,401 @@
+"""Speculative decoding and tau: lossless against the target's own greedy decode, exact acceptance
+accounting, both target-state paths (KV cache cropped, recompute for hybrid targets), a trained
+drafter accepting clearly more than an untrained one, prompts, and the `dflash eval` CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from app.config import BUILTIN_TARGETS, validate_config
+from app.data.batch import TargetBatch
+from app.data.packing import pack_features, pack_row
+from app.errors import UserError
+from app.evaluate import EvalResult, evaluate_tau, prompts_from_file, speculative_generate
+from app.evaluate.speculative import _open_session
+from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.objective import drafter_loss
+from app.model.target import TargetModel, load_target
+from app.model.tiny_lm import chat_sample
+from app.model.tiny_tokenizer import MASK_TOKEN_ID, corpus_paragraphs
+
+EOS = 2  # <|im_end|> of the tiny tokenizer
+
+
+def random_target_config(model_type: str = "qwen3", **extra) -> dict:
+    return {
+        "target": {
+            "architecture": {
+                "model_type": model_type,
+                "vocab_size": 300,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                **extra,
+            }
+        },
+        "drafter": {"num_layers": 2, "block_size": 4, "mask_token_id": 7},
+        "data": {"token_budget": 128, "max_length": 64},
+        "train": {"anchors": 16, "device": "cpu"},
+    }
+
+
+def target_and_drafter(raw: dict, seed: int = 0) -> tuple[TargetModel, DFlashDrafter]:
+    config = validate_config(raw)
+    target = load_target(config, "cpu")
+    return target, DFlashDrafter(DrafterArch.from_config(config, target), seed=seed)
+
+
+def greedy_reference(
+    target: TargetModel, prompt: list[int], max_new_tokens: int, eos: int | None
+) -> list[int]:
+    """The target's own greedy decode (HF generate), stopping after `eos` like the speculative loop."""
+    output = target.model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    return output[0, len(prompt) :].tolist()
+
+
+class ScriptedDrafter(DFlashDrafter):
+    """The real drafter's context bookkeeping with drafts read from the known greedy continuation:
+    the first `correct` slots of every block are right and the rest wrong, so every round must
+    emit exactly `correct + 1` tokens. Also checks that the context cache holds exactly the
+    tokens before the anchor, at their positions."""
+
+    def __init__(self, arch: DrafterArch, prompt_length: int, continuation: list[int], correct: int):
+        super().__init__(arch)
+        self.prompt_length, self.continuation, self.correct = prompt_length, continuation, correct
+
+    def draft(self, cache, last_token_id, position, embed_tokens, lm_head):
+        device = cache.positions.device
+        assert torch.equal(cache.positions, torch.arange(position, device=device)), (
+            "context cache out of step"
+        )
+        start = position + 1 - self.prompt_length  # continuation index of the token at position + 1
+        truth = (self.continuation + [0] * self.arch.block_size)[start : start + self.arch.block_size - 1]
+        wrong = [(token + 1) % self.arch.vocab_size for token in truth]
+        return torch.tensor(truth[: self.correct] + wrong[self.correct :], device=device)
+
+
+def expected_acceptance(generated: int, block_size: int, correct: int) -> list[int]:
+    """Rounds after the prefill token, each emitting correct + 1 tokens, the last one cut to what is left."""
+    lengths, emitted = [], 1
+    while emitted < generated:
+        lengths.append(min(correct + 1, generated - emitted))
+        emitted += lengths[-1]
+    return lengths
+
+
+@pytest.fixture(scope="module")
+def random_qwen3():
+    return target_and_drafter(random_target_config())
+
+
+def test_untrained_drafter_output_equals_the_targets_greedy_decode(random_qwen3) -> None:
+    target, drafter = random_qwen3
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 5, 17):
+        prompt = torch.randint(0, 300, (length,), generator=generator).tolist()
+        result = speculative_generate(target, drafter, prompt, 12)
+        assert result.tokens == greedy_reference(target, prompt, 12, None)
+        assert result.target_cache == "kv-cache"
+        assert sum(result.acceptance_lengths) == 11 and all(1 <= n <= 4 for n in result.acceptance_lengths)
+
+
+@pytest.fixture(scope="module")
+def known_continuation(random_qwen3):
+    """A prompt and the random target's greedy continuation of it (23 tokens)."""
+    target, _ = random_qwen3
+    prompt = list(range(40, 51))
+    return prompt, greedy_reference(target, prompt, 23, None)
+
+
+@pytest.mark.parametrize("correct", [0, 1, 2, 3])
+def test_acceptance_is_the_matching_prefix_plus_one_and_the_cache_follows(
+    random_qwen3, known_continuation, correct: int
+) -> None:
+    target, drafter = random_qwen3
+    prompt, reference = known_continuation
+    scripted = ScriptedDrafter(drafter.arch, len(prompt), reference, correct)
+    result = speculative_generate(target, scripted, prompt, 23)
+    assert result.tokens == reference
+    assert result.acceptance_lengths == expected_acceptance(23, 4, correct)
+
+
+def test_generation_stops_after_the_first_end_of_sequence_token(random_qwen3) -> None:
+    target, drafter = random_qwen3
+    prompt = list(range(60, 70))
+    free = greedy_reference(target, prompt, 16, None)
+    eos = free[9]  # a token the target emits mid-block, possibly inside an accepted run
+    reference = greedy_reference(target, prompt, 16, eos)
+    scripted = ScriptedDrafter(drafter.arch, len(prompt), free, correct=3)
+    unused = next(token for token in range(300) if token not in free)  # a second stop id that never comes
+    result = speculative_generate(target, scripted, prompt, 16, eos_token_id=[eos, unused])
+    assert result.tokens == reference and result.tokens[-1] == eos and eos not in result.tokens[:-1]
+    assert result.acceptance_lengths == expected_acceptance(len(reference), 4, 3)
+
+
+def test_hybrid_linear_attention_target_recomputes_and_stays_lossless() -> None:
+    linear = {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+    }
+    target, drafter = target_and_drafter(random_target_config("qwen3_5_text", **linear))
+    prompt = list(range(20, 32))
+    reference = greedy_reference(target, prompt, 9, None)
+    result = speculative_generate(
+        target, ScriptedDrafter(drafter.arch, len(prompt), reference, correct=2), prompt, 9
+    )
+    assert result.target_cache == "recompute"
+    assert result.tokens == reference and result.acceptance_lengths == [3, 3, 2]
+
+
+def test_decode_features_equal_the_training_features(random_qwen3) -> None:
+    """The drafter must see at eval exactly what it trained on: verify-forward features (KV cache,
+    cropped) equal `TargetModel.features` of the whole sequence."""
+    target, _ = random_qwen3
+    sequence = torch.arange(30, 52)
+    session = _open_session(target)
+    _, prompt_features = session.forward(sequence[:12], logits_for=1)
+    session.commit(12)
+    _, block_features = session.forward(sequence[12:16], logits_for=4)
+    session.commit(2)  # two of the block's tokens kept, two dropped
+    _, next_features = session.forward(sequence[14:22], logits_for=8)
+    decoded = torch.cat([prompt_features, block_features[:2], next_features])
+    training = target.features(sequence[None, :22], torch.ones(1, 22, dtype=torch.long))[0]
+    torch.testing.assert_close(decoded, training, rtol=1e-4, atol=1e-4)
+
+
+def test_eval_result_pools_rounds_and_histograms(random_qwen3, known_continuation) -> None:
+    target, drafter = random_qwen3
+    prompt, reference = known_continuation
+    short = list(range(70, 75))
+    scripted = [
+        speculative_generate(target, ScriptedDrafter(drafter.arch, len(prompt), reference, 3), prompt, 12),
+        speculative_generate(
+            target, ScriptedDrafter(drafter.arch, 5, greedy_reference(target, short, 12, None), 1), short, 12
+        ),
+    ]
+    assert [r.acceptance_lengths for r in scripted] == [[4, 4, 3], [2, 2, 2, 2, 2, 1]]
+    pooled = EvalResult(tau=20 / 9, rounds=9, generated_tokens=24, block_size=4, target_cache="kv-cache")
+    pooled.per_prompt = scripted
+    assert pooled.histogram == [1, 5, 1, 2]
+    assert pooled.tokens_per_target_forward == pytest.approx(24 / 11)  # 9 rounds + 2 prefills
+    prompts = [prompt, short]
+    untrained = evaluate_tau(target, drafter, prompts, 12)
+    assert untrained.rounds == sum(len(r.acceptance_lengths) for r in untrained.per_prompt)
+    assert untrained.generated_tokens == 24 and untrained.block_size == 4
+    assert sum(untrained.histogram) == untrained.rounds
+    assert untrained.tau == pytest.approx(22 / untrained.rounds)
+    lines = "\n".join(untrained.describe())
+    assert "tau (mean acceptance length, max 4)" in lines and "acceptance histogram" in lines
+
+
+def test_bad_inputs_are_one_line_user_errors(random_qwen3) -> None:
+    target, drafter = random_qwen3
+    with pytest.raises(UserError, match="a prompt has no tokens"):
+        speculative_generate(target, drafter, [], 4)
+    with pytest.raises(UserError, match=r"prompt token ids \[300\] are outside the target vocabulary"):
+        speculative_generate(target, drafter, [1, 300], 4)
+    with pytest.raises(UserError, match="max_new_tokens must be >= 1"):
+        speculative_generate(target, drafter, [1, 2], 0)
+    other_taps = {
+        **random_target_config(),
+        "drafter": {"num_layers": 2, "block_size": 4, "mask_token_id": 7, "target_layer_ids": [2, 6]},
+    }
+    other = DFlashDrafter(DrafterArch.from_config(validate_config(other_taps)))
+    with pytest.raises(UserError, match=r"reads target layers \[2, 6\] but the target taps \[1, 5\]"):
+        speculative_generate(target, other, [1, 2], 4)
+    with pytest.raises(UserError, match="no prompts"):
+        evaluate_tau(target, drafter, [], 4)
+
+
+# ---- the built-in tiny-lm: tau of an untrained vs a trained drafter ------------------------------
+
+
+def tiny_config():
+    return validate_config(
+        {
+            "target": {"builtin": "tiny-lm"},
+            "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": MASK_TOKEN_ID},
+            "data": {"token_budget": 1024, "max_length": 512},
+            "train": {"anchors": 128, "device": "cpu"},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_lm_dir):
+    config = tiny_config()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    paragraphs = [p for p in corpus_paragraphs() if len(p.split()) >= 24]
+    prompts = [
+        tokenizer.apply_chat_template(chat_sample(p)[:1], tokenize=False, add_generation_prompt=True)
+        for p in paragraphs
+    ]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts]
+    return config, load_target(config, "cpu"), ids
+
+
+def greedy_batch(target: TargetModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy continuations of many prompts at once (left-padded), cut after <|im_end|>."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    output = target.model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=EOS,
+    )
+    continuations = []
+    for row in output[:, width:].tolist():
+        continuations.append(row[: row.index(EOS) + 1] if EOS in row else row)
+    return continuations
+
+
+def train_on_own_outputs(config, target: TargetModel, prompts: list[list[int]], steps: int) -> DFlashDrafter:
+    """A few hundred AdamW steps of the DFlash objective on the target's own greedy outputs."""
+    answers = greedy_batch(target, prompts, 48)
+    sequences = [(p, a) for p, a in zip(prompts, answers, strict=True) if len(a) >= 4]
+    per_batch = config.data.token_budget // max(len(p) + len(a) for p, a in sequences)
+    batches = []
+    for start in range(0, len(sequences), per_batch):
+        chunk = sequences[start : start + per_batch]
+        width = max(len(p) + len(a) for p, a in chunk)
+        input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        loss_mask = torch.zeros(len(chunk), width, dtype=torch.bool)
+        for row, (prompt, answer) in enumerate(chunk):
+            input_ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+            attention_mask[row, : len(prompt) + len(answer)] = 1
+            loss_mask[row, len(prompt) : len(prompt) + len(answer)] = True
+        batch = TargetBatch(input_ids, attention_mask, loss_mask, torch.arange(start, start + len(chunk)))
+        batches.append((batch, target.features(batch.input_ids, batch.attention_mask)))
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=0)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    for step in range(steps):
+        index = step % len(batches)
+        batch, features = batches[index]
+        budget, anchors, epoch = config.data.token_budget, config.train.anchors, step // len(batches)
+        row = pack_row(
+            batch, token_budget=budget, anchors=anchors, pad_token_id=0, seed=0, epoch=epoch, index=index
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = 3e-3 * min(1.0, (step + 1) / 20) * (1 - step / steps)
+        loss = drafter_loss(
+            drafter, pack_features(batch, features, row), target.embed_tokens, target.lm_head
+        ).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return drafter
+
+
+@pytest.mark.slow
+def test_a_trained_drafter_accepts_clearly_more_and_stays_lossless(tiny) -> None:
+    """Measured (8 held-out prompts x 32 tokens, block 8, 2-layer drafter, 96 training prompts):
+    untrained tau 1.00; trained 150 / 200 / 300 steps: 2.05 / 2.42 / 3.45 with the tiny-lm that torch
+    2.10 (the lock) builds, 1.53 / - / 2.08 with torch 2.11's build (the GPU box, on its CPU). The
+    tiny-lm differs per torch version, hence the margin: trained >= 1.5 and >= 0.5 above untrained."""
+    config, target, prompts = tiny
+    held_out, train = prompts[:8], prompts[8:104]
+    untrained = DFlashDrafter(DrafterArch.from_config(config, target), seed=0)
+    before = evaluate_tau(target, untrained, held_out, 32, eos_token_id=EOS)
+    assert before.tau < 1.3
+
+    trained = train_on_own_outputs(config, target, train, steps=200)
+    after = evaluate_tau(target, trained, held_out, 32, eos_token_id=EOS)
+    assert after.tau >= 1.5 and after.tau - before.tau >= 0.5, (before.tau, after.tau)
+    assert max(length for r in after.per_prompt for length in r.acceptance_lengths) > 3
+    for prompt, result in zip(held_out, after.per_prompt, strict=True):
+        assert result.tokens == greedy_reference(target, prompt, 32, EOS)
+
+
+# ---- prompts and the CLI ------------------------------------------------------------------------
+
+
+def write_conversations(path: Path) -> Path:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Continue: The linear layer"},
+        {"role": "assistant", "content": "applies"},
+    ]
+    records = [
+        {"messages": messages},
+        {"conversations": [{"from": "human", "value": "Continue: Applies a transformation"}]},
+        {"messages": "not a list"},
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_prompts_are_the_turns_before_the_first_reply_with_the_generation_prompt(
+    tmp_path, tiny_tokenizer
+) -> None:
+    prompts = prompts_from_file(write_conversations(tmp_path / "eval.jsonl"), tiny_tokenizer, limit=5)
+    assert len(prompts) == 2  # the malformed record is skipped
+    first = tiny_tokenizer.decode(prompts[0])
+    assert first == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContinue: The linear layer<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert "applies" not in first
+    with pytest.raises(UserError, match=r"--data: .*missing\.jsonl: file not found"):
+        prompts_from_file(tmp_path / "missing.jsonl", tiny_tokenizer, limit=5)
+    (tmp_path / "bad.jsonl").write_text('{"messages": "nope"}\n')
+    with pytest.raises(UserError, match="no usable conversation among 1 records"):
+        prompts_from_file(tmp_path / "bad.jsonl", tiny_tokenizer, limit=5)
+
+
+def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> None:
+    from app.checkpoint.store import save_checkpoint
+
+    raw = {
+        "target": {"architecture": BUILTIN_TARGETS["tiny-lm"], "tokenizer": str(tiny_tokenizer_dir)},
+        "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": MASK_TOKEN_ID},
+        "data": {"token_budget": 256, "max_length": 128},
+        "train": {"anchors": 16, "device": "cpu"},
+    }
+    config = validate_config(raw)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    drafter = DFlashDrafter(DrafterArch.from_config(config), seed=0)
+    save_checkpoint(run_dir, 3, drafter.state_dict(), {}, {"cpu": torch.get_rng_state()}, {}, keep_last=1)
+
+    data = write_conversations(tmp_path / "c.jsonl")
+    command = ["eval", str(run_dir), "--data", str(data), "--prompts", "2", "--max-new-tokens", "6"]
+    done = subprocess.run(
+        [sys.executable, "-m", "app", *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parents[1],
+    )
+    assert done.returncode == 0, done.stderr
+    assert "eval: step 3" in done.stdout and "2 prompts" in done.stdout
+    assert "tau (mean acceptance length, max 4):" in done.stdout
+    assert "target state between rounds: kv-cache" in done.stdout
+    assert "acceptance histogram" in done.stdout and "    1: " in done.stdout
