@@ -37,10 +37,12 @@ def train(
     if wants_distributed(run_config):
         _train_rank(run_config, resume)
         return
+    from app.telemetry import build_telemetry
     from app.train.trainer import Trainer, TrainingStopped
 
     try:
-        Trainer(run_config, resume=resume, log=_print).run()
+        reporters, watches = build_telemetry(run_config)
+        Trainer(run_config, resume=resume, log=_print, reporters=reporters, watches=watches).run()
     except TrainingStopped as stopped:
         print(f"dflash: {stopped}", file=sys.stderr)
         raise typer.Exit(STOPPED_EXIT_CODE) from None
@@ -113,11 +115,15 @@ def _run_role(run_config, runtime, resume: bool, log) -> Exception | None:
     from app.data.batching import BatchPlanner
     from app.data.tokenize import pad_token_id
     from app.pipeline.target_worker import TargetStopped, TargetWorker
+    from app.telemetry import build_telemetry
     from app.train.trainer import Trainer, TrainingStopped, load_run_data, load_tokenizer
 
     try:
         if runtime.layout.trains:
-            Trainer(run_config, resume=resume, log=log, runtime=runtime).run()
+            reporters, watches = build_telemetry(run_config, rank_is_logger=runtime.layout.is_logger)
+            Trainer(
+                run_config, resume=resume, log=log, runtime=runtime, reporters=reporters, watches=watches
+            ).run()
             return None
         tokenizer = load_tokenizer(run_config)
         train_data, _ = load_run_data(run_config, tokenizer, runtime)
