@@ -5,6 +5,7 @@ drafter accepting clearly more than an untrained one, prompts, and the `dflash e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,17 @@ from app.model.tiny_lm import chat_sample
 from app.model.tiny_tokenizer import MASK_TOKEN_ID, corpus_paragraphs
 
 EOS = 2  # <|im_end|> of the tiny tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """One intra-op thread: on a shared 2-core machine, OpenMP barriers between two threads cost
+    milliseconds per op whenever another process holds the other core, and these models are tiny
+    (measured: a drafter training step 0.45 s on 1 thread, 1.1 to 4.5 s on 2)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def random_target_config(model_type: str = "qwen3", **extra) -> dict:
@@ -91,7 +103,7 @@ class ScriptedDrafter(DFlashDrafter):
         return torch.tensor(truth[: self.correct] + wrong[self.correct :], device=device)
 
 
-def expected_acceptance(generated: int, block_size: int, correct: int) -> list[int]:
+def expected_acceptance(generated: int, correct: int) -> list[int]:
     """Rounds after the prefill token, each emitting correct + 1 tokens, the last one cut to what is left."""
     lengths, emitted = [], 1
     while emitted < generated:
@@ -133,7 +145,7 @@ def test_acceptance_is_the_matching_prefix_plus_one_and_the_cache_follows(
     scripted = ScriptedDrafter(drafter.arch, len(prompt), reference, correct)
     result = speculative_generate(target, scripted, prompt, 23)
     assert result.tokens == reference
-    assert result.acceptance_lengths == expected_acceptance(23, 4, correct)
+    assert result.acceptance_lengths == expected_acceptance(23, correct)
 
 
 def test_generation_stops_after_the_first_end_of_sequence_token(random_qwen3) -> None:
@@ -146,7 +158,7 @@ def test_generation_stops_after_the_first_end_of_sequence_token(random_qwen3) ->
     unused = next(token for token in range(300) if token not in free)  # a second stop id that never comes
     result = speculative_generate(target, scripted, prompt, 16, eos_token_id=[eos, unused])
     assert result.tokens == reference and result.tokens[-1] == eos and eos not in result.tokens[:-1]
-    assert result.acceptance_lengths == expected_acceptance(len(reference), 4, 3)
+    assert result.acceptance_lengths == expected_acceptance(len(reference), 3)
 
 
 def test_hybrid_linear_attention_target_recomputes_and_stays_lossless() -> None:
@@ -234,8 +246,8 @@ def tiny_config():
         {
             "target": {"builtin": "tiny-lm"},
             "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": MASK_TOKEN_ID},
-            "data": {"token_budget": 1024, "max_length": 512},
-            "train": {"anchors": 128, "device": "cpu"},
+            "data": {"token_budget": 512, "max_length": 512},
+            "train": {"anchors": 64, "device": "cpu"},
         }
     )
 
@@ -315,17 +327,18 @@ def train_on_own_outputs(config, target: TargetModel, prompts: list[list[int]], 
 
 @pytest.mark.slow
 def test_a_trained_drafter_accepts_clearly_more_and_stays_lossless(tiny) -> None:
-    """Measured (8 held-out prompts x 32 tokens, block 8, 2-layer drafter, 96 training prompts):
-    untrained tau 1.00; trained 150 / 200 / 300 steps: 2.05 / 2.42 / 3.45 with the tiny-lm that torch
-    2.10 (the lock) builds, 1.53 / - / 2.08 with torch 2.11's build (the GPU box, on its CPU). The
-    tiny-lm differs per torch version, hence the margin: trained >= 1.5 and >= 0.5 above untrained."""
+    """Measured (8 held-out prompts x 32 tokens, block 8, 2-layer drafter, 96 training prompts, rows of
+    512 tokens with 64 anchors): untrained tau 1.00, trained 200 steps 1.65, 300 steps 2.75 (about 75 s
+    on the dev machine). With 1024-token rows and 128 anchors: 200 steps 2.42 here, and 300 steps 2.08
+    with the tiny-lm that torch 2.11 builds (it differs per torch version). Hence the margin: trained
+    >= 1.5 and >= 0.5 above untrained."""
     config, target, prompts = tiny
     held_out, train = prompts[:8], prompts[8:104]
     untrained = DFlashDrafter(DrafterArch.from_config(config, target), seed=0)
     before = evaluate_tau(target, untrained, held_out, 32, eos_token_id=EOS)
     assert before.tau < 1.3
 
-    trained = train_on_own_outputs(config, target, train, steps=200)
+    trained = train_on_own_outputs(config, target, train, steps=300)
     after = evaluate_tau(target, trained, held_out, 32, eos_token_id=EOS)
     assert after.tau >= 1.5 and after.tau - before.tau >= 0.5, (before.tau, after.tau)
     assert max(length for r in after.per_prompt for length in r.acceptance_lengths) > 3
@@ -393,6 +406,7 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
         text=True,
         timeout=300,
         cwd=Path(__file__).parents[1],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # see `single_thread`
     )
     assert done.returncode == 0, done.stderr
     assert "eval: step 3" in done.stdout and "2 prompts" in done.stdout
