@@ -46,3 +46,12 @@ def tiny_conversations(tmp_path_factory):
             if len(paragraph.split()) >= 24:
                 handle.write(json.dumps({"messages": chat_sample(paragraph)}) + "\n")
     return path
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_wandb_settings(monkeypatch):
+    """A machine's own WANDB_* variables (CI sets WANDB_MODE) must not change what the tests see."""
+    import os
+
+    for name in [name for name in os.environ if name.startswith("WANDB_")]:
+        monkeypatch.delenv(name)

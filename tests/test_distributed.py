@@ -36,23 +36,11 @@ from app.pipeline.roles import layout_for
 from app.pipeline.sidechannel import SideChannel, Watchdog
 from app.pipeline.transport import decode_meta, encode_meta, sample_digest
 from app.train.trainer import Trainer
+from tests.small_run import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"
 
-# tests/test_trainer.py's SMALL shapes, one log line per step (the tests read metrics.jsonl per step).
-SMALL = [
-    "drafter.num_layers=1",
-    "drafter.block_size=4",
-    "data.token_budget=256",
-    "data.max_length=256",
-    "data.max_batch_size=8",
-    "data.eval_holdout=4",
-    "train.anchors=16",
-    "train.loss_chunk_size=8",
-    "train.eval_every=0",
-    "telemetry.log_every=1",
-]
 KILL_RUN_STEPS = 30
 """Long enough that the run cannot finish before the test kills a target at step 2 (queues are 1 deep)."""
 

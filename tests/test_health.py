@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from app.config import load_config
-from app.errors import UserError
 from app.telemetry import GuardedReporter, GuardedWatch, TelemetryWarning, build_telemetry
-from app.telemetry.baseline import Baseline, baseline_from_manifest
+from app.telemetry.baseline import Baseline, baseline_from_compile_report
 from app.telemetry.health import (
     CompileWatch,
     ExternalEvents,
@@ -114,16 +113,13 @@ def test_tokens_baseline_and_on_baseline_speed() -> None:
     )
 
 
-def test_baseline_from_a_compile_cache_manifest(tmp_path: Path) -> None:
-    manifest = tmp_path / "manifest.json"
-    manifest.write_text('{"key": {"gpu": "H200"}, "measured": {"step_time_s": 0.72}}')
-    baseline = baseline_from_manifest(manifest)
-    assert baseline == Baseline(step_time_s=0.72, source=str(manifest))
-    manifest.write_text('{"key": {"gpu": "H200"}}')
-    assert baseline_from_manifest(manifest) is None
-    manifest.write_text("{not json")
-    with pytest.raises(UserError, match=r"manifest\.json: not a readable JSON manifest"):
-        baseline_from_manifest(manifest)
+def test_baseline_from_the_compile_report_of_train_start() -> None:
+    """The loaded cache entry's measured step time is the baseline; no measurement, no baseline."""
+    report = {"compiled": True, "cache_path": "/cache/abc", "baseline_step_s": 0.72}
+    assert baseline_from_compile_report(report) == Baseline(
+        step_time_s=0.72, source="compile cache /cache/abc"
+    )
+    assert baseline_from_compile_report({"compiled": False, "baseline_step_s": None}) is None
 
 
 # ---- queues ---------------------------------------------------------------------------------------------
@@ -230,7 +226,9 @@ class ExplodingReporter:
     def __init__(self) -> None:
         self.calls = 0
 
-    def on_start(self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    def on_start(
+        self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any], compile_report
+    ) -> None:
         self.calls += 1
         raise OSError("disk full")
 
@@ -257,7 +255,7 @@ def test_a_failing_reporter_is_a_warning_then_switched_off() -> None:
     reporter = GuardedReporter(inner)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        reporter.on_start(Path("."), {}, {})
+        reporter.on_start(Path("."), {}, {}, {})
         reporter.on_checkpoint(Path("."), 1)  # a success resets the count of failures in a row
         for step in range(10):
             reporter.on_log(record(step))

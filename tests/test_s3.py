@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import socket
 import sys
 import threading
@@ -19,7 +17,6 @@ import torch
 
 from app.checkpoint.store import save_checkpoint
 from app.cli import main
-from app.config import load_config
 from app.config.schema import StorageConfig
 from app.errors import UserError
 from app.storage import S3Sync, parse_s3_uri, pull_run, upload_export
@@ -27,22 +24,10 @@ from app.storage.remote import RemoteRun
 from app.storage.s3 import MIB, digest_file, make_client, remote_mismatch, transfer_config, upload_verified
 from app.telemetry import TelemetryWarning, build_telemetry
 from app.train.trainer import Trainer, TrainingStopped
+from tests.small_run import StopAtStep, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "dflash-test-secret-never-logged"
-SMALL = [
-    "drafter.num_layers=1",
-    "drafter.block_size=4",
-    "data.token_budget=256",
-    "data.max_length=256",
-    "data.max_batch_size=8",
-    "data.eval_holdout=4",
-    "train.anchors=16",
-    "train.loss_chunk_size=8",
-    "train.eval_every=0",
-    "telemetry.log_every=2",
-    "telemetry.wandb=disabled",
-]
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +58,6 @@ def bucket(s3_endpoint) -> str:
     name = f"dflash-test-{next(_buckets)}"
     make_client(s3_endpoint, 0).create_bucket(Bucket=name)
     return name
-
-
-def small_config(data: Path, run_dir: Path, *extra: str):
-    overrides = [*SMALL, f"data.train_files=['{data}']", f"train.output_dir={run_dir}", *extra]
-    return load_config(ROOT / "configs" / "tiny.toml", overrides)
 
 
 def quiet(line: str) -> None:
@@ -124,26 +104,6 @@ def test_uploads_are_verified_against_the_server_checksum(s3_endpoint, bucket, t
     assert remote_mismatch(client, bucket, "x/missing", small, small_digest) == "not uploaded"
 
 
-class StopAtStep:
-    """A reporter that sends this process a real SIGTERM once `step` is logged (a preempted job)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_start(self, run_dir, config, fingerprint) -> None:
-        pass
-
-    def on_log(self, record) -> None:
-        if record.get("step") == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def on_checkpoint(self, path, step) -> None:
-        pass
-
-    def on_exit(self, reason, step) -> None:
-        pass
-
-
 def test_pull_and_resume_equals_an_uninterrupted_run(
     tiny_lm_dir, tiny_conversations, tmp_path: Path, s3_endpoint, bucket, capsys, monkeypatch
 ) -> None:
@@ -155,7 +115,9 @@ def test_pull_and_resume_equals_an_uninterrupted_run(
 
     uri = f"s3://{bucket}/runs/first"
     storage = [f"storage.s3_uri={uri}", f"storage.endpoint_url={s3_endpoint}", "storage.multipart_chunk_mb=5"]
-    config = small_config(tiny_conversations, tmp_path / "first", "train.max_steps=4", *storage)
+    config = small_config(
+        tiny_conversations, tmp_path / "first", "train.max_steps=4", "telemetry.log_every=2", *storage
+    )
     reporters, watches = build_telemetry(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TelemetryWarning)
@@ -271,7 +233,7 @@ def test_server_down_mid_upload_is_retried_and_nothing_partial_is_visible(
     sync = S3Sync(storage, keep_last=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sync.on_start(run_dir, {}, {})
+        sync.on_start(run_dir, {}, {}, {})
         assert sync.wait_idle(60)
         proxy.cut_after = proxy.sent + 6 * MIB  # the server dies inside the model file's second part
         sync.on_checkpoint(checkpoint, 7)
@@ -311,7 +273,7 @@ def test_remote_keeps_the_newest_complete_checkpoints_and_exports(
     uri = f"s3://{bucket}/prefix/run"
     storage = StorageConfig(s3_uri=uri, endpoint_url=s3_endpoint, multipart_chunk_mb=5, exit_timeout_s=60)
     sync = S3Sync(storage, keep_last=2)
-    sync.on_start(tmp_path, {}, {})
+    sync.on_start(tmp_path, {}, {}, {})
     for step in (1, 2, 3):
         sync.on_checkpoint(fake_checkpoint(tmp_path, step), step)
         assert sync.wait_idle(60)
@@ -347,7 +309,7 @@ def test_missing_credentials_are_a_warning_not_a_crash(
     (tmp_path / "config.json").write_text("{}")
     sync = S3Sync(storage, keep_last=1)
     with pytest.warns(TelemetryWarning, match=r"failed \(no AWS credentials"):
-        sync.on_start(tmp_path, {}, {})
+        sync.on_start(tmp_path, {}, {}, {})
         wait_for(lambda: sync.state()["failed_rounds"] >= 1)
     assert "no AWS credentials" in sync.state()["last_error"]
     monkeypatch.undo()  # credentials back: the closing round at exit succeeds and the sync thread ends

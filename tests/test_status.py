@@ -16,32 +16,16 @@ import pytest
 from PIL import Image
 
 from app.cli import main
+from app.compile.guard import throughput_watch
 from app.config import load_config
 from app.errors import UserError
 from app.telemetry import build_telemetry
-from app.telemetry.baseline import Baseline
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
 from app.train.trainer import NonFiniteLoss, Trainer
+from tests.small_run import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = [
-    "drafter.num_layers=1",
-    "drafter.block_size=4",
-    "data.token_budget=256",
-    "data.max_length=256",
-    "data.max_batch_size=8",
-    "data.eval_holdout=4",
-    "train.anchors=16",
-    "train.loss_chunk_size=8",
-    "telemetry.log_every=1",
-    "telemetry.wandb=disabled",
-]
-
-
-def small_config(data: Path, run_dir: Path, *extra: str):
-    overrides = [*SMALL, f"data.train_files=['{data}']", f"train.output_dir={run_dir}", *extra]
-    return load_config(ROOT / "configs" / "tiny.toml", overrides)
 
 
 @dataclass
@@ -107,7 +91,8 @@ def test_healthy_run_status_file(healthy_run: Path) -> None:
     assert status["eval"]["step"] == 4 and status["eval"]["tau"] >= 1
     assert status["throughput"]["tokens_per_s"] > 0 and status["throughput"]["baseline"] is None
     assert status["fingerprint"]["torch"].startswith("2.") and status["goal"]["max_steps"] == 4
-    assert "compile" in status and not list(healthy_run.glob(f".{STATUS_FILE}.*"))
+    assert status["compile"]["compiled"] is False and status["compile"]["device"] == "cpu"
+    assert "compile_counters" in status and not list(healthy_run.glob(f".{STATUS_FILE}.*"))
 
 
 def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) -> None:
@@ -118,6 +103,7 @@ def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) 
     assert "goal: train a 1-layer DFlash drafter (block 4, 16 anchors) for builtin tiny-lm" in text
     assert "state: completed at step 4" in text and "health: HEALTHY (0 events)" in text
     assert "eval tau" in text and "Ktok/s" in text
+    assert "compile: eager on cpu (no compiled kernels on this device)" in text
     assert "what changed: no completed, healthy run next to this one" in text
     assert "last checkpoint: " in text and "step_00000004 (step 4" in text
     assert f"dflash export {healthy_run}" in text
@@ -145,11 +131,14 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
     (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint))
     config = load_config(ROOT / "configs" / "tiny.toml", [f"train.output_dir={run_dir}", "telemetry.wandb=disabled",
                                                          "telemetry.warmup_steps=20", "telemetry.status_every=50"])  # fmt: skip
-    reporters, watches = build_telemetry(
-        config, baseline=Baseline(step_time_s=0.25, source="compile manifest")
-    )
+    # Train start found the cache for this key, measured at 0.25 s/step when it was built.
+    compile_report = {"compiled": True, "device": "cuda:0", "key": "3f9c0d1e", "cache_path": "/cache/3f9c0d1e",
+                      "cache_loaded": True, "warmup_s": 8.9, "warmup_counters": {"fxgraph_cache_miss": 0},
+                      "baseline_step_s": 0.25, "problems": []}  # fmt: skip
+    reporters, watches = build_telemetry(config)
+    watches.append(throughput_watch(0.25, "compile cache /cache/3f9c0d1e", config))
     for reporter in reporters:
-        reporter.on_start(run_dir, config_dict, fingerprint)
+        reporter.on_start(run_dir, config_dict, fingerprint, compile_report)
     for step in range(10, 210, 10):
         slow = step >= 100  # 4.6K tok/s where 21.5K is expected, like the incident
         reserved = 70.0 if step < 150 else 78.0
@@ -166,9 +155,11 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
     assert not healthy
     assert "health: DEGRADED (2 events)" in text
     assert (
-        "step 110: throughput: 4.6Ktok/s, 1.11s/step is 22% of the baseline 0.25s/step (compile manifest)"
-        in text
+        "step 110: throughput: 4.6Ktok/s, 1.11s/step is 22% of the baseline 0.25s/step "
+        "(compile cache /cache/3f9c0d1e)" in text
     )
+    assert "22% of the baseline (compile cache /cache/3f9c0d1e)" in text
+    assert "compile: cache 3f9c0d1e loaded from /cache/3f9c0d1e; warm-up 8.9s with 0 cache misses" in text
     assert "step 150: memory: reserved GPU memory grew 11%" in text
     assert f"what changed since the last good run {healthy_run} (newest completed healthy sibling):" in text
     assert "torch.version: " in text and "-> 2.11.0+cu130" in text
@@ -215,7 +206,7 @@ def test_status_json_is_replaced_atomically(tmp_path: Path) -> None:
     """A reader polling status.json while it is rewritten 300 times always parses a whole document."""
     config = load_config(ROOT / "configs" / "tiny.toml", ["telemetry.status_every=1"])
     status = StatusFile(config)
-    status.on_start(tmp_path, config.model_dump(mode="json"), {})
+    status.on_start(tmp_path, config.model_dump(mode="json"), {}, {})
     seen: list[int] = []
     errors: list[str] = []
     stop = threading.Event()
@@ -242,7 +233,7 @@ def test_status_json_is_replaced_atomically(tmp_path: Path) -> None:
 def test_status_is_written_every_n_steps_and_at_once_for_events(tmp_path: Path) -> None:
     config = load_config(ROOT / "configs" / "tiny.toml", ["telemetry.status_every=10"])
     status = StatusFile(config)
-    status.on_start(tmp_path, config.model_dump(mode="json"), {})
+    status.on_start(tmp_path, config.model_dump(mode="json"), {}, {})
 
     def on_disk() -> int:
         return read_status(tmp_path)["progress"]["step"]
@@ -261,11 +252,11 @@ def test_status_is_written_every_n_steps_and_at_once_for_events(tmp_path: Path) 
 def test_a_resumed_run_keeps_the_earlier_attempts(tmp_path: Path) -> None:
     config = load_config(ROOT / "configs" / "tiny.toml", ["telemetry.status_every=1"])
     first = StatusFile(config)
-    first.on_start(tmp_path, {}, {})
+    first.on_start(tmp_path, {}, {}, {})
     first.on_log(record(5, events=["memory: grew"]))
     first.on_exit("stopped", 5)
     second = StatusFile(config)
-    second.on_start(tmp_path, {}, {})
+    second.on_start(tmp_path, {}, {}, {})
     second.on_log(record(6))
     status = read_status(tmp_path)
     assert status["attempts"] == [
@@ -280,7 +271,7 @@ def test_a_resumed_run_keeps_the_earlier_attempts(tmp_path: Path) -> None:
 def test_a_run_that_stopped_updating_is_stale(tmp_path: Path) -> None:
     config = load_config(ROOT / "configs" / "tiny.toml")
     status = StatusFile(config)
-    status.on_start(tmp_path, {}, {})
+    status.on_start(tmp_path, {}, {}, {})
     status.on_checkpoint(tmp_path / "checkpoints" / "step_00000500", 500)
     document = read_status(tmp_path)
     document["updated_at"] = (datetime.now(UTC) - timedelta(hours=2)).isoformat(timespec="seconds")

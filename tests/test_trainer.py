@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -14,28 +13,10 @@ from app.checkpoint.store import checkpoint_root, complete_checkpoints
 from app.config import load_config
 from app.errors import UserError
 from app.train.trainer import Trainer, TrainingStopped
+from tests.small_run import StopAtStep, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "tiny_loss_curve.json"
-
-# Small enough for seconds per run on 2 cores, big enough that several batches make an epoch.
-SMALL = [
-    "drafter.num_layers=1",
-    "drafter.block_size=4",
-    "data.token_budget=256",
-    "data.max_length=256",
-    "data.max_batch_size=8",
-    "data.eval_holdout=4",
-    "train.anchors=16",
-    "train.loss_chunk_size=8",
-    "train.eval_every=0",
-    "telemetry.log_every=2",
-]
-
-
-def small_config(data: Path, run_dir: Path, *extra: str):
-    overrides = [*SMALL, f"data.train_files=['{data}']", f"train.output_dir={run_dir}", *extra]
-    return load_config(ROOT / "configs" / "tiny.toml", overrides)
 
 
 def quiet(line: str) -> None:
@@ -44,26 +25,6 @@ def quiet(line: str) -> None:
 
 def drafter_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in trainer.drafter.state_dict().items()}
-
-
-class StopAtStep:
-    """A reporter that sends this process a real SIGTERM once `step` is logged (a preempted job)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_start(self, run_dir, config, fingerprint) -> None:
-        pass
-
-    def on_log(self, record) -> None:
-        if record.get("step") == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def on_checkpoint(self, path, step) -> None:
-        pass
-
-    def on_exit(self, reason, step) -> None:
-        pass
 
 
 def test_sigterm_then_resume_continues_exactly(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
@@ -121,7 +82,8 @@ def test_resume_skips_a_corrupt_checkpoint(tiny_lm_dir, tiny_conversations, tmp_
 
 def test_run_directory_contents(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
     lines: list[str] = []
-    result = Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=4"), log=lines.append).run()
+    config = small_config(tiny_conversations, tmp_path, "train.max_steps=4", "telemetry.log_every=2")
+    result = Trainer(config, log=lines.append).run()
     assert result.steps == 4 and len(result.losses) == 4
     assert json.loads((tmp_path / "config.json").read_text())["train"]["max_steps"] == 4
     assert "torch" in json.loads((tmp_path / "fingerprint.json").read_text())
@@ -194,6 +156,5 @@ def test_golden_loss_curve(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> N
 
 
 def _updating() -> bool:
-    import os
 
     return os.environ.get("DFLASH_UPDATE_GOLDEN") == "1"

@@ -19,20 +19,9 @@ from app.telemetry import TelemetryWarning, build_telemetry
 from app.telemetry.status import read_status
 from app.telemetry.wandb_sink import RUN_ID_FILE, WandbReporter, resolve_wandb_mode, wandb_metrics
 from app.train.trainer import Trainer
+from tests.small_run import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = [
-    "drafter.num_layers=1",
-    "drafter.block_size=4",
-    "data.token_budget=256",
-    "data.max_length=256",
-    "data.max_batch_size=8",
-    "data.eval_holdout=4",
-    "train.anchors=16",
-    "train.loss_chunk_size=8",
-    "train.eval_every=0",
-    "telemetry.log_every=1",
-]
 
 
 def read_wandb_records(path: Path) -> list[Any]:
@@ -100,7 +89,7 @@ def test_offline_run_holds_config_fingerprint_history_and_summary(tmp_path: Path
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", TelemetryWarning)  # nothing may go wrong here
-        reporter.on_start(run_dir, config, collect_fingerprint())
+        reporter.on_start(run_dir, config, collect_fingerprint(), {"compiled": False})
         reporter.on_log(train_record(2))
         reporter.on_log(train_record(4, ["memory: reserved GPU memory grew 9%"]))
         reporter.on_log({"step": 4, "eval": {"tau": 2.75, "rounds": 12, "generated_tokens": 33}})
@@ -181,7 +170,7 @@ def test_wandb_not_installed_is_a_warning(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # `import wandb` raises ImportError
     reporter = WandbReporter("offline", "dflash-test", None, timeout_s=10)
     with pytest.warns(TelemetryWarning, match=r"wandb did not start \(ModuleNotFoundError"):
-        reporter.on_start(tmp_path, {}, {})
+        reporter.on_start(tmp_path, {}, {}, {})
         reporter.on_exit("completed", 0)
     reporter.on_log(train_record(1))  # after giving up, records are dropped at once
     assert reporter._queue.empty()

@@ -124,7 +124,9 @@ def prepare_compiled_training(
     if entry is not None:
         report.baseline_step_s = baseline_step_time(entry.measured, config)
         if report.baseline_step_s is not None:
-            report.watches.append(throughput_watch(report.baseline_step_s, str(entry.path), config))
+            report.watches.append(
+                throughput_watch(report.baseline_step_s, f"compile cache {entry.path}", config)
+            )
     if compile_config.fail_on_recompile:
         enter_steady_state()
     return report

@@ -68,7 +68,13 @@ class S3Sync:
 
     # ---- reporter -----------------------------------------------------------------------------------
 
-    def on_start(self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    def on_start(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        fingerprint: dict[str, Any],
+        compile_report: dict[str, Any],
+    ) -> None:
         self.run_dir = run_dir
         self._thread = threading.Thread(target=self._work, name="s3-sync", daemon=True)
         self._thread.start()

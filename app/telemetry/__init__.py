@@ -6,11 +6,8 @@ is wrapped so that its failure is a warning, never a crashed or stalled run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
 from app.config import RunConfig
-from app.telemetry.baseline import Baseline, baseline_from_manifest
+from app.telemetry.baseline import Baseline
 from app.telemetry.guard import GuardedReporter, GuardedWatch, TelemetryWarning
 from app.telemetry.health import (
     CompileWatch,
@@ -18,7 +15,6 @@ from app.telemetry.health import (
     ExternalEvents,
     MemoryWatch,
     QueueWatch,
-    ThroughputWatch,
     dynamo_counters,
 )
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter
@@ -42,33 +38,21 @@ def build_telemetry(
     config: RunConfig,
     *,
     rank_is_logger: bool = True,
-    baseline: Baseline | None = None,
-    compile_manifest: Path | None = None,
-    events: ExternalEvents | None = None,
-    compile_counters: Callable[[], Counters] | None = None,
 ) -> tuple[list[Reporter], list[HealthWatch]]:
     """The reporters (logging rank only) and health watches of a run, each guarded.
 
-    baseline: the expected throughput; else read from `compile_manifest` (the compile cache's manifest
-        of this run's key) when given; without one, throughput is reported but not judged.
-    events: where other components post health events (compile-cache load results, a recompile guard).
-    compile_counters: compile/cache counters to watch and report; default torch._dynamo's.
+    The throughput baseline and the compile-cache problems come later, from the trainer's compile
+    report (its watches, and `Reporter.on_start`).
     """
     telemetry = config.telemetry
-    if baseline is None and compile_manifest is not None and compile_manifest.is_file():
-        baseline = baseline_from_manifest(compile_manifest)
-    compile_watch = CompileWatch(telemetry.warmup_steps, compile_counters or dynamo_counters)
+    compile_watch = CompileWatch(telemetry.warmup_steps, dynamo_counters)
     watches: list[HealthWatch] = [
         MemoryWatch(telemetry.memory_window_steps, telemetry.memory_growth_threshold, telemetry.warmup_steps),
         compile_watch,
     ]
-    if baseline is not None:
-        watches.append(ThroughputWatch(baseline, config.compile.slow_step_threshold, telemetry.warmup_steps))
     if config.topology.target_ranks:  # colocated runs have no queues to stall
         capacities = {"q_pre": config.topology.prefetch_batches, "q_hs": config.topology.feature_queue}
         watches.append(QueueWatch(capacities, telemetry.queue_stall_steps, telemetry.warmup_steps))
-    if events is not None:
-        watches.append(events)
     guarded_watches: list[HealthWatch] = [GuardedWatch(watch) for watch in watches]
     if not rank_is_logger:
         return [], guarded_watches
@@ -76,7 +60,7 @@ def build_telemetry(
     def latest_counters() -> Counters:
         return compile_watch.latest
 
-    status = StatusFile(config, watches=watches, baseline=baseline, compile_counters=latest_counters)
+    status = StatusFile(config, watches=watches, compile_counters=latest_counters)
     reporters: list[Reporter] = [status]
     mode = resolve_wandb_mode(telemetry.wandb)
     if mode != "disabled":

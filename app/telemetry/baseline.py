@@ -8,15 +8,8 @@ also depends on how many real tokens the batches carry.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
-
-from app.errors import UserError
-
-STEP_TIME_KEYS = ("step_time_s", "measured_step_time_s")
-TOKENS_KEYS = ("tokens_per_s", "baseline_tokens_per_s")
 
 
 @dataclass(frozen=True)
@@ -57,36 +50,10 @@ class Baseline:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str) -> Baseline | None:
-        """The baseline in a manifest-like mapping (top level or its `measured` section); None if it has none."""
-        for section in (data, data.get("measured")):
-            if not isinstance(section, dict):
-                continue
-            step_time = _first_number(section, STEP_TIME_KEYS)
-            tokens = _first_number(section, TOKENS_KEYS)
-            if step_time is not None or tokens is not None:
-                return cls(step_time_s=step_time, tokens_per_s=tokens, source=source)
+
+def baseline_from_compile_report(report: dict[str, Any]) -> Baseline | None:
+    """The baseline train start found in the loaded compile-cache entry (`CompileReport.to_dict()`)."""
+    step_time = report.get("baseline_step_s")
+    if not step_time:
         return None
-
-
-def baseline_from_manifest(path: str | Path) -> Baseline | None:
-    """The measured baseline of a compile-cache manifest (JSON); None when it records no measurement."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: no such compile-cache manifest") from None
-    except (OSError, json.JSONDecodeError) as error:
-        raise UserError(f"{path}: not a readable JSON manifest ({error})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object (a compile-cache manifest)")
-    return Baseline.from_dict(data, source=str(path))
-
-
-def _first_number(section: dict[str, Any], keys: tuple[str, ...]) -> float | None:
-    for key in keys:
-        value = section.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            return float(value)
-    return None
+    return Baseline(step_time_s=float(step_time), source=f"compile cache {report.get('cache_path')}")

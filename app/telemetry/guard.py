@@ -53,8 +53,14 @@ class GuardedReporter:
     def disabled(self) -> bool:
         return self._failures.disabled
 
-    def on_start(self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
-        self._call("on_start", run_dir, config, fingerprint)
+    def on_start(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        fingerprint: dict[str, Any],
+        compile_report: dict[str, Any],
+    ) -> None:
+        self._call("on_start", run_dir, config, fingerprint, compile_report)
 
     def on_log(self, record: dict[str, Any]) -> None:
         self._call("on_log", record)

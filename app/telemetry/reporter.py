@@ -13,7 +13,15 @@ from typing import Any, Protocol
 
 
 class Reporter(Protocol):
-    def on_start(self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any]) -> None: ...
+    def on_start(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        fingerprint: dict[str, Any],
+        compile_report: dict[str, Any],
+    ) -> None:
+        """The run starts: its resolved config, environment fingerprint and what train start did about
+        compilation (`CompileReport.to_dict()`: cache key, loaded or not, warm-up counters, baseline)."""
 
     def on_log(self, record: dict[str, Any]) -> None:
         """One log line's metrics (step, loss, acc, streak, lr, noise, rates, queues, memory, events)."""
@@ -31,7 +39,13 @@ class MetricsFile:
     def __init__(self) -> None:
         self.path: Path | None = None
 
-    def on_start(self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    def on_start(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        fingerprint: dict[str, Any],
+        compile_report: dict[str, Any],
+    ) -> None:
         self.path = run_dir / "metrics.jsonl"
 
     def on_log(self, record: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from app.atomic import write_json_atomic
 from app.config import RunConfig
 from app.errors import UserError
-from app.telemetry.baseline import Baseline
+from app.telemetry.baseline import Baseline, baseline_from_compile_report
 from app.telemetry.health import active_conditions
 
 STATUS_FILE = "status.json"
@@ -62,14 +62,14 @@ class StatusFile:
         config: RunConfig,
         *,
         watches: Sequence[Any] = (),
-        baseline: Baseline | None = None,
         compile_counters: Callable[[], dict[str, int]] | None = None,
         storage_state: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.config = config
         self.every = config.telemetry.status_every
         self.watches = list(watches)
-        self.baseline = baseline
+        self.baseline: Baseline | None = None
+        """The loaded compile cache's measured step time, once on_start brings the compile report."""
         self.compile_counters = compile_counters
         self.storage_state = storage_state
         self.path: Path | None = None
@@ -81,8 +81,15 @@ class StatusFile:
 
     # ---- reporter -----------------------------------------------------------------------------------
 
-    def on_start(self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    def on_start(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        fingerprint: dict[str, Any],
+        compile_report: dict[str, Any],
+    ) -> None:
         self.path = run_dir / STATUS_FILE
+        self.baseline = baseline_from_compile_report(compile_report)
         previous = _previous_status(self.path)
         attempts = previous.get("attempts", [])
         if previous:
@@ -98,6 +105,7 @@ class StatusFile:
             "goal": goal(self.config),
             "config": config_summary(self.config),
             "fingerprint": fingerprint_summary(fingerprint),
+            "compile": compile_report,
             "progress": {"step": previous.get("progress", {}).get("step", 0)},
             "throughput": {"baseline": self.baseline.to_dict() if self.baseline else None},
             "eval": previous.get("eval"),
@@ -164,7 +172,7 @@ class StatusFile:
                 else "healthy"
             )
             if self.compile_counters is not None:
-                status["compile"] = dict(self.compile_counters())
+                status["compile_counters"] = dict(self.compile_counters())
             if self.storage_state is not None:
                 status["storage"] = self.storage_state()
             write_json_atomic(self.path, status)

@@ -99,6 +99,7 @@ def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool
         f"state: {_state_line(status, stale_s)}",
         f"progress: {_progress_line(status)}",
         f"throughput: {_throughput_line(status, comparison)}",
+        f"compile: {_compile_line(status.get('compile'))}",
     ]
     if status.get("memory_gb"):
         allocated, reserved = status["memory_gb"]
@@ -145,6 +146,22 @@ def _progress_line(status: dict[str, Any]) -> str:
     if status.get("eval"):
         line += f"; eval tau {status['eval'].get('tau', 0):.3f} (step {status['eval'].get('step')})"
     return line
+
+
+def _compile_line(report: dict[str, Any] | None) -> str:
+    """What train start did about compilation: eager, or which cache entry and what warm-up cost."""
+    if not report:
+        return "not reported (a run from before compile reports)"
+    if not report.get("compiled"):
+        return f"eager on {report.get('device', '?')} (no compiled kernels on this device)"
+    counters = report.get("warmup_counters") or {}
+    misses = counters.get("fxgraph_cache_miss", 0) + counters.get("autograd_cache_miss", 0)
+    source = (
+        f"cache {report.get('key')} loaded from {report.get('cache_path')}"
+        if report.get("cache_loaded")
+        else f"NO cache for key {report.get('key')}: compiled from scratch"
+    )
+    return f"{source}; warm-up {report.get('warmup_s', 0):.1f}s with {misses} cache misses"
 
 
 def _throughput_line(status: dict[str, Any], comparison: Comparison | None) -> str:

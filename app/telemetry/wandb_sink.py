@@ -80,10 +80,17 @@ class WandbReporter:
         self._exit: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
 
-    def on_start(self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    def on_start(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        fingerprint: dict[str, Any],
+        compile_report: dict[str, Any],
+    ) -> None:
         run_id = _run_id(run_dir)
+        run_config = {"run": config, "fingerprint": fingerprint, "compile": compile_report}
         self._thread = threading.Thread(
-            target=self._work, args=(run_dir, run_id, config, fingerprint), name="wandb-reporter", daemon=True
+            target=self._work, args=(run_dir, run_id, run_config), name="wandb-reporter", daemon=True
         )
         self._thread.start()
 
@@ -117,9 +124,9 @@ class WandbReporter:
                 warn(f"wandb is {QUEUE_LIMIT} records behind; dropping records until it catches up")
             self.dropped += 1
 
-    def _work(self, run_dir: Path, run_id: str, config: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    def _work(self, run_dir: Path, run_id: str, run_config: dict[str, Any]) -> None:
         try:
-            run = self._init(run_dir, run_id, config, fingerprint)
+            run = self._init(run_dir, run_id, run_config)
         except BaseException as error:  # wandb may raise anything, SystemExit included, from its init
             self._give_up(f"wandb did not start ({type(error).__name__}: {_first_line(error)})")
             return
@@ -148,7 +155,7 @@ class WandbReporter:
         except BaseException as error:
             self._give_up(f"wandb failed ({type(error).__name__}: {_first_line(error)})")
 
-    def _init(self, run_dir: Path, run_id: str, config: dict[str, Any], fingerprint: dict[str, Any]) -> Any:
+    def _init(self, run_dir: Path, run_id: str, run_config: dict[str, Any]) -> Any:
         import wandb
 
         settings = wandb.Settings(init_timeout=self.timeout_s, console="off", silent=True)
@@ -160,7 +167,7 @@ class WandbReporter:
             mode=self.mode,
             # WANDB_DIR, when set, is where the user wants wandb's files; else next to the run's own.
             dir=None if os.environ.get("WANDB_DIR") else str(run_dir),
-            config={"run": config, "fingerprint": fingerprint},
+            config=run_config,
             settings=settings,
             reinit="create_new",
         )

@@ -62,6 +62,7 @@ from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_gr
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
+from app.telemetry.health import ExternalEvents
 from app.telemetry.logline import LogLine
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter
 from app.train.schedule import learning_rate
@@ -256,7 +257,12 @@ class Trainer:
         self.compile_report = prepare_compiled_training(
             config, self.target or self.heads, self.drafter, self.device, log
         )
-        self.watches = [*self.watches, *self.compile_report.watches]
+        compile_problems = (
+            ExternalEvents()
+        )  # a cache miss or damaged entry: a health event on the first log line
+        for problem in self.compile_report.problems:
+            compile_problems.post(f"compile: {problem}")
+        self.watches = [*self.watches, *self.compile_report.watches, compile_problems]
         self.model: nn.Module = self.drafter
         if runtime is not None and runtime.layout.num_drafters > 1:
             self.model = wrap_for_drafter_group(self.drafter, runtime)  # broadcasts rank 0's weights
@@ -598,7 +604,7 @@ class Trainer:
         write_json_atomic(self.run_dir / "config.json", config)
         save_fingerprint(fingerprint, self.run_dir / "fingerprint.json")
         for reporter in self.reporters:
-            reporter.on_start(self.run_dir, config, fingerprint)
+            reporter.on_start(self.run_dir, config, fingerprint, self.compile_report.to_dict())
 
     def _note(self, line: str) -> None:
         """A line only the logging rank prints (every drafter rank would print the same)."""

@@ -1,0 +1,52 @@
+"""Shared pieces of the tests that run the real trainer on the tiny target: the small-shape
+overrides (seconds per step on CPU) and a reporter that preempts the run at a given step."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from app.config import RunConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = [
+    "drafter.num_layers=1",
+    "drafter.block_size=4",
+    "data.token_budget=256",
+    "data.max_length=256",
+    "data.max_batch_size=8",
+    "data.eval_holdout=4",
+    "train.anchors=16",
+    "train.loss_chunk_size=8",
+    "train.eval_every=0",
+    "telemetry.log_every=1",
+    "telemetry.wandb=disabled",
+]
+
+
+class StopAtStep:
+    """A reporter that sends this process a real SIGTERM once `step` is logged (a preempted job)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_start(self, run_dir, config, fingerprint, compile_report) -> None:
+        pass
+
+    def on_log(self, record) -> None:
+        if record.get("step") == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_checkpoint(self, path, step) -> None:
+        pass
+
+    def on_exit(self, reason, step) -> None:
+        pass
+
+
+def small_config(data: Path, run_dir: Path, *extra: str) -> RunConfig:
+    """configs/tiny.toml at the SMALL shapes, training on `data`, writing to `run_dir`."""
+    overrides = [*SMALL, f"data.train_files=['{data}']", f"train.output_dir={run_dir}", *extra]
+    return load_config(ROOT / "configs" / "tiny.toml", overrides)
