@@ -7,6 +7,7 @@ import itertools
 import torch
 
 from app.data.batch import DrafterRow
+from app.data.packing import sample_anchors
 
 
 def synthetic_row(
@@ -22,9 +23,8 @@ def synthetic_row(
 ) -> DrafterRow:
     """A row of `num_documents` documents packed into `token_budget - padding` tokens, then padding.
 
-    Each document's first `prompt_fraction` is unsupervised (the prompt); anchors are sampled like the
-    data pipeline does: uniformly without replacement among supervised positions whose next token is
-    supervised and in the same document, sorted; `valid_anchors` (default: all `anchors`) caps how many
+    Each document's first `prompt_fraction` is unsupervised (the prompt); anchors are sampled by the data
+    pipeline's own `sample_anchors`; `valid_anchors` (default: all `anchors`) caps how many
     slots are used, the rest are dead (anchor 0, invalid).
     """
     real = token_budget - padding
@@ -42,17 +42,12 @@ def synthetic_row(
         loss_mask[start + int((stop - start) * prompt_fraction) : stop] = True
     input_ids[real:] = 0
 
-    same_document_next = torch.zeros(token_budget, dtype=torch.bool)
-    same_document_next[:-1] = document_ids[:-1] == document_ids[1:]
-    eligible_next = torch.zeros(token_budget, dtype=torch.bool)
-    eligible_next[:-1] = loss_mask[1:]
-    eligible = (loss_mask & eligible_next & same_document_next).nonzero().squeeze(1)
-    wanted = min(anchors if valid_anchors is None else valid_anchors, anchors, eligible.numel())
-    chosen = eligible[torch.randperm(eligible.numel(), generator=generator)[:wanted]].sort().values
+    wanted = anchors if valid_anchors is None else min(valid_anchors, anchors)
+    chosen, chosen_valid = sample_anchors(document_ids, loss_mask, wanted, generator)
     anchor_positions = torch.zeros(anchors, dtype=torch.long)
     anchor_positions[:wanted] = chosen
     anchor_valid = torch.zeros(anchors, dtype=torch.bool)
-    anchor_valid[:wanted] = True
+    anchor_valid[:wanted] = chosen_valid
     return DrafterRow(
         input_ids=input_ids,
         position_ids=position_ids,

@@ -42,7 +42,7 @@ def evaluate(
     from app.evaluate import evaluate_tau, prompts_from_dataset, prompts_from_file
     from app.export import load_trained_drafter
     from app.model.target import load_target
-    from app.train.trainer import load_tokenizer, pick_device
+    from app.train.setup import load_tokenizer, pick_device
 
     trained = load_trained_drafter(source)
     config = trained.config

@@ -116,7 +116,8 @@ def _run_role(run_config, runtime, resume: bool, log) -> Exception | None:
     from app.data.tokenize import pad_token_id
     from app.pipeline.target_worker import TargetStopped, TargetWorker
     from app.telemetry import build_telemetry
-    from app.train.trainer import Trainer, TrainingStopped, load_run_data, load_tokenizer
+    from app.train.setup import load_run_data, load_tokenizer
+    from app.train.trainer import Trainer, TrainingStopped
 
     try:
         if runtime.layout.trains:

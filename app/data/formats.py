@@ -31,6 +31,8 @@ SHAREGPT_SPEAKERS = {
     "assistant": "assistant",
     "model": "assistant",
     "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
     "function_call": "assistant",
     "tool": "tool",
     "function": "tool",

@@ -16,25 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.data.formats import SHAREGPT_SPEAKERS, MalformedRecord
 from app.errors import UserError
 
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
+# Speakers whose turns are tool calls or results: a regenerated answer would not match them.
+TOOL_ROLES = {speaker for speaker, role in SHAREGPT_SPEAKERS.items() if role == "tool"} | {
+    "function_call",
+    "ipython",
 }
+SHAREGPT_ROLES = {speaker: role for speaker, role in SHAREGPT_SPEAKERS.items() if speaker not in TOOL_ROLES}
 OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-TOOL_ROLES = {"tool", "function", "function_call", "observation", "ipython"}
-
-
-class MalformedRecord(ValueError):
-    """A prompt record that cannot be regenerated; the message says why."""
 
 
 @dataclass(frozen=True)

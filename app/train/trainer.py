@@ -17,9 +17,7 @@ for any topology.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -31,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from app.atomic import write_json_atomic
 from app.checkpoint.store import (
@@ -45,7 +42,6 @@ from app.compile.guard import recompile_errors
 from app.compile.prepare import prepare_compiled_training
 from app.config import RunConfig, default_gamma
 from app.data.batching import BatchPlanner, DataCursor
-from app.data.dataset import TokenizedDataset, load_training_data, tokenizer_fingerprint
 from app.data.tokenize import pad_token_id
 from app.errors import UserError
 from app.evaluate.prompts import prompts_from_dataset
@@ -66,6 +62,7 @@ from app.telemetry.health import ExternalEvents
 from app.telemetry.logline import LogLine
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter
 from app.train.schedule import learning_rate
+from app.train.setup import load_run_data, load_tokenizer, pick_device, training_signal
 
 Log = Callable[[str], None]
 
@@ -122,72 +119,6 @@ class BorrowedHeads:
 
     embed_tokens: nn.Embedding
     lm_head: nn.Linear
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device: cuda requested but no CUDA device is visible")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
-
-
-def tokenizer_dir(config: RunConfig) -> Path:
-    """The target tokenizer's directory: `target.tokenizer`, else the target's own."""
-    target = config.target
-    if target.tokenizer is not None:
-        return Path(target.tokenizer)
-    if target.path is not None:
-        return Path(target.path)
-    if target.builtin is not None:
-        from app.model.tiny_lm import ensure_tiny_lm
-
-        return ensure_tiny_lm()
-    raise UserError(
-        "target.tokenizer: required with target.architecture (a random-weight target has no tokenizer)"
-    )
-
-
-def load_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
-    directory = tokenizer_dir(config)
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UserError(f"{directory}: cannot load a tokenizer ({str(error).splitlines()[0]})") from None
-
-
-def load_run_data(
-    config: RunConfig, tokenizer: PreTrainedTokenizerBase, runtime: Runtime | None
-) -> tuple[TokenizedDataset, TokenizedDataset]:
-    """(train, eval) data. Under torchrun, local rank 0 of each node tokenizes first (the first load of
-    a large dataset takes long) and the node's other ranks then read its cache."""
-    if runtime is None:
-        return load_training_data(config, tokenizer)
-    node = f"data/node{os.environ.get('GROUP_RANK', '0')}"
-    if runtime.layout.local_rank == 0:
-        data = load_training_data(config, tokenizer)
-        runtime.side.mark_ready(node)
-        return data
-    runtime.side.wait_ready(node, "the node's tokenized data")
-    return load_training_data(config, tokenizer)
-
-
-def training_signal(
-    config: RunConfig, layer_ids: list[int], tokenizer: PreTrainedTokenizerBase
-) -> dict[str, Any]:
-    """What defines what the drafter learns; a resume must not change any of it."""
-    source = config.target
-    identity = source.path or source.builtin or json.dumps(source.architecture, sort_keys=True)
-    return {
-        "train.anchors": config.train.anchors,
-        "drafter.block_size": config.drafter.block_size,
-        "drafter.target_layer_ids": list(layer_ids),
-        "drafter.mask_token_id": config.drafter.mask_token_id,
-        "drafter.num_layers": config.drafter.num_layers,
-        "target": identity,
-        "target.seed": source.seed if source.architecture is not None else None,
-        "tokenizer": tokenizer_fingerprint(tokenizer),
-    }
 
 
 class Trainer:
