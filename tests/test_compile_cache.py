@@ -348,8 +348,11 @@ def test_prepare_on_cpu_is_eager_and_compiles_nothing(monkeypatch):
 
 def test_inductor_dir_is_persistent_and_writable(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("DFLASH_CACHE", raising=False)
     monkeypatch.setenv("HOME", "/home/someone")  # resolving creates nothing
     assert resolve_inductor_dir(CompileConfig()) == Path("/home/someone/.cache/dflash/inductor")
+    monkeypatch.setenv("DFLASH_CACHE", "/srv/dflash")  # the image's one cache root
+    assert resolve_inductor_dir(CompileConfig()) == Path("/srv/dflash/inductor")
     with pytest.raises(UserError, match=re.escape("compile.inductor_dir: /tmp/x is under /tmp")):
         resolve_inductor_dir(CompileConfig(inductor_dir="/tmp/x"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_root")

@@ -17,8 +17,7 @@ from pathlib import Path
 from app.config.schema import CompileConfig
 from app.env.fingerprint import is_under_tmp
 from app.errors import UserError
-
-DEFAULT_INDUCTOR_DIR = "~/.cache/dflash/inductor"
+from app.paths import cache_root
 
 
 @dataclass(frozen=True)
@@ -47,13 +46,13 @@ def ensure_user_and_home() -> None:
 
 
 def resolve_inductor_dir(compile_config: CompileConfig) -> Path:
-    """`compile.inductor_dir`, else $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/dflash/inductor; never /tmp."""
+    """`compile.inductor_dir`, else $TORCHINDUCTOR_CACHE_DIR, else the dflash cache root's `inductor/`; never /tmp."""
     if compile_config.inductor_dir is not None:
         chosen, source = compile_config.inductor_dir, "compile.inductor_dir"
     elif os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         chosen, source = os.environ["TORCHINDUCTOR_CACHE_DIR"], "TORCHINDUCTOR_CACHE_DIR"
     else:
-        chosen, source = DEFAULT_INDUCTOR_DIR, "compile.inductor_dir (default)"
+        chosen, source = str(cache_root() / "inductor"), "compile.inductor_dir (default)"
     directory = Path(chosen).expanduser().absolute()
     if is_under_tmp(str(directory)):
         raise UserError(

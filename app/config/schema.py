@@ -152,7 +152,7 @@ class DataConfig(Section):
     """Extra arguments for the tokenizer's chat template (e.g. {enable_thinking = true})."""
 
     cache_dir: str | None = None
-    """Where tokenized datasets are cached (keyed by data + tokenizer + config). Default: ~/.cache/dflash/tokenized."""
+    """Where tokenized datasets are cached (keyed by data + tokenizer + config). Default: $DFLASH_CACHE/tokenized (~/.cache/dflash/tokenized)."""
 
     num_proc: int | None = Field(None, ge=1)
     """Processes that tokenize on the first load (later loads hit the cache). None: one per CPU core
@@ -319,7 +319,7 @@ class CompileConfig(Section):
     """Directory holding the keyed compile caches built by `dflash build-cache`."""
 
     inductor_dir: str | None = None
-    """Writable inductor cache directory (never /tmp). Default: ~/.cache/dflash/inductor."""
+    """Writable inductor cache directory (never /tmp). Default: $TORCHINDUCTOR_CACHE_DIR, else $DFLASH_CACHE/inductor (~/.cache/dflash/inductor)."""
 
     on_cache_miss: Literal["warn", "abort"] = "warn"
     """What a compile-cache miss or bypass after warm-up does when a matching cache was loaded."""

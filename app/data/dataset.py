@@ -43,13 +43,13 @@ from app.data.formats import (
 )
 from app.data.tokenize import ChatTokenizer, TokenizedSample
 from app.errors import UserError
+from app.paths import cache_root
 
 log = logging.getLogger(__name__)
 
 PIPELINE_VERSION = 1
 """Part of the cache key: bump it when tokenization semantics change so old caches stop matching."""
 
-DEFAULT_CACHE_DIR = "~/.cache/dflash/tokenized"
 MAX_EXAMPLES = 5
 """Malformed-record reasons kept in the summary (the counts are always complete)."""
 
@@ -170,7 +170,7 @@ def load_tokenized(
     chat = ChatTokenizer(
         tokenizer, max_length=data.max_length, chat_template_kwargs=data.chat_template_kwargs
     )
-    root = Path(data.cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    root = Path(data.cache_dir).expanduser() if data.cache_dir else cache_root() / "tokenized"
     key = cache_key(sources, tokenizer, data, min_supervised_tokens)
     final = root / key
     if (final / SUMMARY_FILE).is_file():

@@ -22,6 +22,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from app.config.schema import BUILTIN_TARGETS
 from app.model.tiny_tokenizer import build_tokenizer, corpus_paragraphs
+from app.paths import cache_root as dflash_cache_root
 
 RECIPE = {"steps": 300, "batch_size": 8, "seq_len": 128, "lr": 3e-3, "warmup": 30, "seed": 1234}
 """Pre-training recipe: enough for fluent-looking, deterministic continuations on 2 CPU cores in under a minute."""
@@ -41,7 +42,7 @@ def chat_sample(paragraph: str) -> list[dict[str, str]]:
 
 def tiny_lm_dir(cache_root: Path | None = None) -> Path:
     """Where the built-in target lives, keyed by architecture, recipe, corpus and torch version."""
-    root = cache_root or Path(os.environ.get("DFLASH_CACHE", Path.home() / ".cache" / "dflash"))
+    root = cache_root or dflash_cache_root()
     key_source = json.dumps(
         {
             "arch": BUILTIN_TARGETS["tiny-lm"],

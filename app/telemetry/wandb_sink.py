@@ -29,8 +29,10 @@ TRAIN_KEYS = ("loss", "acc", "streak", "lr", "noise", "grad_norm", "tokens_per_s
 EVENTS_IN_SUMMARY = 50
 
 
-def resolve_wandb_mode(setting: str, environ: Mapping[str, str] = os.environ) -> WandbMode:
+def resolve_wandb_mode(setting: str, environ: Mapping[str, str] | None = None) -> WandbMode:
     """`telemetry.wandb` -> the mode used: auto follows WANDB_MODE, else online iff WANDB_API_KEY is set."""
+    if environ is None:  # looked up per call: `datasets.map(num_proc=...)` rebinds os.environ to a copy
+        environ = os.environ
     if setting in ("online", "offline", "disabled"):
         return setting  # type: ignore[return-value]
     from_env = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline",
