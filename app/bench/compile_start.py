@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from app.bench.child import emit, run_child
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from app.model.drafter import DFlashDrafter
     from app.model.target import TargetModel
 
-RESULT_PREFIX = "BENCH-RESULT "
 SPAWNED_AT = "DFLASH_BENCH_SPAWNED_AT"
 FEATURE_POOL = 2
 
@@ -40,9 +40,9 @@ FEATURE_POOL = 2
 def main() -> None:
     args = build_parser().parse_args()
     if args.phase == "start":
-        _emit(run_start(args.config, args.overrides, args.steps))
+        emit(run_start(args.config, args.overrides, args.steps))
     elif args.phase == "build":
-        _emit(run_build(args.config, args.overrides))
+        emit(run_build(args.config, args.overrides))
     else:
         orchestrate(args)
 
@@ -88,17 +88,8 @@ def _child(phase_args: list[str], config: str, overrides: list[str], workdir: Pa
     phase, *options = phase_args  # argparse wants the options after the positionals
     command = [sys.executable, "-m", "app.bench.compile_start", phase, config, *overrides]
     command += [*options, "--workdir", str(workdir)]
-    env = {**os.environ, SPAWNED_AT: repr(time.time())}
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    for line in (done.stdout + done.stderr).splitlines():
-        if not line.startswith(RESULT_PREFIX):
-            print(f"  | {line}", flush=True)
-    results = [
-        line[len(RESULT_PREFIX) :] for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)
-    ]
-    if done.returncode != 0 or not results:
-        return {"failed": f"exit {done.returncode}"}
-    return json.loads(results[-1])
+    result = run_child(command, env={**os.environ, SPAWNED_AT: repr(time.time())})
+    return result or {"failed": "no result line"}
 
 
 def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, Any]:
@@ -272,10 +263,6 @@ def format_table(results: dict[str, Any]) -> str:
             f"{build['artifact_entries']}, key {build['key']}"
         )
     return "\n".join(lines)
-
-
-def _emit(result: dict[str, Any]) -> None:
-    print(RESULT_PREFIX + json.dumps(result, default=str), flush=True)
 
 
 if __name__ == "__main__":

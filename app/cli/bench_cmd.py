@@ -1,4 +1,4 @@
-"""`dflash bench drafter`: stage benchmarks at a run config's exact shapes."""
+"""`dflash bench drafter|pipeline|data`: benchmarks at a run config's exact shapes, and their data."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import typer
 
 from app.config import load_config
 
-group = typer.Typer(help="Benchmark one stage at a config's exact shapes.", no_args_is_help=True)
+group = typer.Typer(help="Benchmarks at a config's exact shapes.", no_args_is_help=True)
 
 
 @group.command("drafter")
@@ -32,6 +32,28 @@ def drafter(
     resolved = load_config(config, overrides or [])
     result = run_drafter_bench(resolved, steps=steps, warmup=warmup, peak_tflops=peak_tflops)
     print(format_report(result))
+
+
+@group.command("pipeline")
+def pipeline(
+    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml); its topology is what runs.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=2, help="Training steps of the pipeline run.")] = 200,
+    workdir: Annotated[
+        str, typer.Option("--workdir", help="Where the run directory (metrics, torchrun.log) goes.")
+    ] = "runs/bench",
+    out: Annotated[str | None, typer.Option("--out", help="Also write the report as JSON here.")] = None,
+) -> None:
+    """The pipeline end to end under torchrun vs each stage alone: per-role throughput, queues, efficiency."""
+    from pathlib import Path
+
+    from app.atomic import write_json_atomic
+    from app.bench.pipeline import format_report, run_pipeline_bench
+
+    report = run_pipeline_bench(config, overrides or [], steps, Path(workdir))
+    print(format_report(report))
+    if out:
+        write_json_atomic(Path(out), report)
 
 
 @group.command("data")

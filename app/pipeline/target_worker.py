@@ -185,19 +185,25 @@ class TargetWorker:
     def _forward(self, prepared: Prepared) -> Outgoing:
         device = self.runtime.device
         started = time.perf_counter()
+        began = ready = None
+        if device.type == "cuda":  # the host only queues the forward: time it on the GPU (in `_sent`)
+            began, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
         batch = prepared.batch.to(device)
         features = self.target.features(batch.input_ids, batch.attention_mask)
         # Only the real tokens' features travel, padded to the row's fixed shape: every send is alike.
         padded = pad_features(real_token_features(batch, features), self.config.data.token_budget)
-        ready = None
-        if device.type == "cuda":
-            ready = torch.cuda.Event()
+        if ready is not None:
             ready.record()
-        self.forward_seconds += time.perf_counter() - started
-        return Outgoing(prepared.delivery, prepared.meta, padded, ready)
+        else:
+            self.forward_seconds += time.perf_counter() - started
+        return Outgoing(prepared.delivery, prepared.meta, padded, ready, began)
 
     def _sent(self, item: Outgoing) -> None:
         """Send thread, after each batch: counters for the drafters' log line."""
+        if item.began is not None and item.ready is not None:
+            item.ready.synchronize()  # long done: the send waited for it
+            self.forward_seconds += item.began.elapsed_time(item.ready) / 1000
         self.batches += 1
         self._stats_channel.publish_target_stats(
             self.index,

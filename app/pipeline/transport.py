@@ -121,6 +121,8 @@ class Outgoing:
     features: torch.Tensor
     ready: torch.cuda.Event | None = None
     """CUDA: recorded after the features were written; the send waits for it and nothing else."""
+    began: torch.cuda.Event | None = None
+    """CUDA: recorded before the batch's forward; `began.elapsed_time(ready)` is its GPU time."""
 
 
 class FeatureSender:
