@@ -89,7 +89,12 @@ def test_offline_run_holds_config_fingerprint_history_and_summary(tmp_path: Path
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", TelemetryWarning)  # nothing may go wrong here
-        reporter.on_start(run_dir, config, collect_fingerprint(), {"compiled": False})
+        reporter.on_start(
+            run_dir,
+            config,
+            collect_fingerprint(),
+            {"compiled": True, "key": "3f9c0d1e", "cache_loaded": True},
+        )
         reporter.on_log(train_record(2))
         reporter.on_log(train_record(4, ["memory: reserved GPU memory grew 9%"]))
         reporter.on_log({"step": 4, "eval": {"tau": 2.75, "rounds": 12, "generated_tokens": 33}})
@@ -108,6 +113,7 @@ def test_offline_run_holds_config_fingerprint_history_and_summary(tmp_path: Path
     logged_config = items(run.config.update)
     assert logged_config["run"]["drafter"]["block_size"] == 8
     assert logged_config["fingerprint"]["torch"]["version"].startswith("2.")
+    assert logged_config["compile"] == {"compiled": True, "key": "3f9c0d1e", "cache_loaded": True}
 
     history = [items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
     by_step = {}
