@@ -163,6 +163,18 @@ def test_same_seed_same_weights():
     assert not torch.equal(first.fc.weight, other.fc.weight)
 
 
+def test_built_on_the_given_device():
+    """Parameters are created and drawn where `device` says (the GPU at train start), whatever the
+    ambient default device: the same weights as a build that defaults to that device."""
+    arch = DrafterArch.from_config(run_config())
+    with torch.device("meta"):
+        built = DFlashDrafter(arch, seed=3, device="cpu")
+    assert {p.device.type for p in built.parameters()} == {"cpu"}
+    reference = DFlashDrafter(arch, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(built.parameters(), reference.parameters(), strict=True))
+    assert {p.device.type for p in DFlashDrafter(arch, device="meta").parameters()} == {"meta"}
+
+
 def test_bad_shapes_are_one_line_user_errors():
     arch = DrafterArch.from_config(run_config())
     with pytest.raises(UserError, match="must equal the target's"):

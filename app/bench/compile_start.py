@@ -107,7 +107,7 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
     config = load_config(config_path, overrides)
     device = torch.device("cuda", torch.cuda.current_device())
     target = load_target(config, device)
-    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed).to(device)
+    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     optimizer = torch.optim.AdamW(
         drafter.parameters(), lr=config.train.lr, betas=config.train.betas, fused=True
     )

@@ -136,8 +136,7 @@ def run_drafter_bench(
     frozen_dtype = target_dtype(config.target, device)
     embed_tokens, lm_head = _frozen_head_stand_ins(arch, device, frozen_dtype)
     features = torch.randn(token_budget, arch.feature_size, device=device, dtype=frozen_dtype)
-    with torch.device(device):
-        drafter = DFlashDrafter(arch, seed=config.train.seed)
+    drafter = DFlashDrafter(arch, seed=config.train.seed, device=device)
     if cuda and config.compile.mode != "off":
         drafter.compile_layers()
     autocast = cuda and config.train.precision == "bf16"

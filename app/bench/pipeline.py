@@ -76,7 +76,7 @@ def measure_stages(config: RunConfig) -> dict[str, Any]:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     target = load_target(config, device)
-    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed).to(device)
+    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     report = prepare_compiled_training(config, target, drafter, device, print)
     with recompile_errors():
         timing = time_training_steps(config, drafter, target, device, steps=STAGE_STEPS)

@@ -100,7 +100,7 @@ def _compile_and_save(
         shutil.copytree(triton_dir, library_triton)
 
     phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")
-    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed).to(device)
+    drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     drafter.compile_layers()
     before = read_counters()
     compile_s = warm_up_drafter(config, drafter, target, device)

@@ -10,6 +10,7 @@ optimizer or the exported weights. Parameter names follow the reference layout t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -284,13 +285,17 @@ class ContextCache:
 class DFlashDrafter(nn.Module):
     """fc + hidden_norm, N decoder layers, final norm; embedding and LM head borrowed from the target."""
 
-    def __init__(self, arch: DrafterArch, seed: int = 0):
+    def __init__(self, arch: DrafterArch, seed: int = 0, device: torch.device | str | None = None):
+        """device: where the parameters are created and drawn. Building on the GPU directly matters:
+        initialising a production drafter's 1.7B parameters on the CPU and copying them over costs
+        seconds of every start."""
         super().__init__()
         self.arch = arch
-        self.fc = nn.Linear(arch.feature_size, arch.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(arch) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        with torch.device(device) if device is not None else nullcontext():
+            self.fc = nn.Linear(arch.feature_size, arch.hidden_size, bias=False)
+            self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            self.layers = nn.ModuleList(DrafterLayer(arch) for _ in range(arch.num_layers))
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.attention_backend: Backend | None = None
         """Training attention: None = the device's (compiled flex on CUDA, dense SDPA on CPU)."""
         if not self.fc.weight.is_meta:

@@ -169,7 +169,7 @@ class Trainer:
             layer_ids = self.target.layer_ids
             self.heads = BorrowedHeads(self.target.embed_tokens, self.target.lm_head)
             arch = DrafterArch.from_config(config, self.target)
-        self.drafter = DFlashDrafter(arch, seed=config.train.seed).to(self.device)
+        self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(),
             lr=config.train.lr,
