@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Annotated
 
 import typer
 
 STOPPED_EXIT_CODE = 143
 """128 + SIGTERM: stopped by a signal after checkpointing; `--resume` continues exactly."""
+FOLLOWER_EXIT_DELAY_S = 2.0
+"""How long a rank that fails because another one did waits before exiting (torchrun polls every 0.1 s)."""
 
 
 def train(
@@ -80,6 +83,10 @@ def _train_rank(run_config, resume: bool) -> None:
     except BaseException as error:
         if _report_failure(runtime, error):
             traceback.print_exc()  # the job's first failure: its traceback is the one worth reading
+        else:
+            # torchrun's summary names as root cause the failure it dates earliest, and a killed rank
+            # leaves no error file to date it: let the agent see that rank exit before this one.
+            time.sleep(FOLLOWER_EXIT_DELAY_S)
         exit_code = 1
     finally:
         runtime.close(clean=exit_code == 0)
