@@ -106,7 +106,11 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
     marks = {"imports": time.time() - spawned_at}
     config = load_config(config_path, overrides)
     device = torch.device("cuda", torch.cuda.current_device())
+    torch.empty(1, device=device)  # the CUDA context, on its own mark
+    marks["cuda_ready"] = time.time() - spawned_at
     target = load_target(config, device)
+    torch.cuda.synchronize(device)
+    marks["target_built"] = time.time() - spawned_at
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     optimizer = torch.optim.AdamW(
         drafter.parameters(), lr=config.train.lr, betas=config.train.betas, fused=True
