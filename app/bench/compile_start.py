@@ -257,6 +257,14 @@ def format_table(results: dict[str, Any]) -> str:
     if "marks_s" in cold and "marks_s" in warm:
         ratio = warm["marks_s"]["first_optimizer_step"] / cold["marks_s"]["first_optimizer_step"]
         lines.append(f"warm / cold start->first step: {ratio:.0%}")
+    for name in ("cold", "warm"):
+        marks = (results.get(name) or {}).get("marks_s")
+        if marks:
+            phases, previous = [], 0.0
+            for mark, at in marks.items():  # in the order the start reached them
+                phases.append(f"{mark} +{at - previous:.1f}s")
+                previous = at
+            lines.append(f"{name} start: {', '.join(phases)}")
     build = results.get("build") or {}
     if "measured" in build:
         measured = build["measured"]
