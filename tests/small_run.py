@@ -32,7 +32,7 @@ class StopAtStep:
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_start(self, run_dir, config, fingerprint, compile_report) -> None:
+    def on_start(self, start) -> None:
         pass
 
     def on_log(self, record) -> None:

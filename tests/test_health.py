@@ -21,6 +21,7 @@ from app.telemetry.health import (
     ThroughputWatch,
     dynamo_counters,
 )
+from app.telemetry.reporter import RunStart
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,9 +227,7 @@ class ExplodingReporter:
     def __init__(self) -> None:
         self.calls = 0
 
-    def on_start(
-        self, run_dir: Path, config: dict[str, Any], fingerprint: dict[str, Any], compile_report
-    ) -> None:
+    def on_start(self, start: RunStart) -> None:
         self.calls += 1
         raise OSError("disk full")
 
@@ -255,7 +254,7 @@ def test_a_failing_reporter_is_a_warning_then_switched_off() -> None:
     reporter = GuardedReporter(inner)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        reporter.on_start(Path("."), {}, {}, {})
+        reporter.on_start(RunStart(Path("."), {}, {}, {}))
         reporter.on_checkpoint(Path("."), 1)  # a success resets the count of failures in a row
         for step in range(10):
             reporter.on_log(record(step))

@@ -23,6 +23,7 @@ from app.storage import S3Sync, parse_s3_uri, pull_run, upload_export
 from app.storage.remote import RemoteRun
 from app.storage.s3 import MIB, digest_file, make_client, remote_mismatch, transfer_config, upload_verified
 from app.telemetry import TelemetryWarning, build_telemetry
+from app.telemetry.reporter import RunStart
 from app.train.trainer import Trainer, TrainingStopped
 from tests.small_run import StopAtStep, small_config
 
@@ -233,7 +234,7 @@ def test_server_down_mid_upload_is_retried_and_nothing_partial_is_visible(
     sync = S3Sync(storage, keep_last=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sync.on_start(run_dir, {}, {}, {})
+        sync.on_start(RunStart(run_dir, {}, {}, {}))
         assert sync.wait_idle(60)
         proxy.cut_after = proxy.sent + 6 * MIB  # the server dies inside the model file's second part
         sync.on_checkpoint(checkpoint, 7)
@@ -273,7 +274,7 @@ def test_remote_keeps_the_newest_complete_checkpoints_and_exports(
     uri = f"s3://{bucket}/prefix/run"
     storage = StorageConfig(s3_uri=uri, endpoint_url=s3_endpoint, multipart_chunk_mb=5, exit_timeout_s=60)
     sync = S3Sync(storage, keep_last=2)
-    sync.on_start(tmp_path, {}, {}, {})
+    sync.on_start(RunStart(tmp_path, {}, {}, {}))
     for step in (1, 2, 3):
         sync.on_checkpoint(fake_checkpoint(tmp_path, step), step)
         assert sync.wait_idle(60)
@@ -309,7 +310,7 @@ def test_missing_credentials_are_a_warning_not_a_crash(
     (tmp_path / "config.json").write_text("{}")
     sync = S3Sync(storage, keep_last=1)
     with pytest.warns(TelemetryWarning, match=r"failed \(no AWS credentials"):
-        sync.on_start(tmp_path, {}, {}, {})
+        sync.on_start(RunStart(tmp_path, {}, {}, {}))
         wait_for(lambda: sync.state()["failed_rounds"] >= 1)
     assert "no AWS credentials" in sync.state()["last_error"]
     monkeypatch.undo()  # credentials back: the closing round at exit succeeds and the sync thread ends

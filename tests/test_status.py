@@ -20,6 +20,7 @@ from app.compile.guard import throughput_watch
 from app.config import load_config
 from app.errors import UserError
 from app.telemetry import build_telemetry
+from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
 from app.train.trainer import NonFiniteLoss, Trainer
@@ -138,7 +139,7 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
     reporters, watches = build_telemetry(config)
     watches.append(throughput_watch(0.25, "compile cache /cache/3f9c0d1e", config))
     for reporter in reporters:
-        reporter.on_start(run_dir, config_dict, fingerprint, compile_report)
+        reporter.on_start(RunStart(run_dir, config_dict, fingerprint, compile_report))
     for step in range(10, 210, 10):
         slow = step >= 100  # 4.6K tok/s where 21.5K is expected, like the incident
         reserved = 70.0 if step < 150 else 78.0
@@ -206,7 +207,7 @@ def test_status_json_is_replaced_atomically(tmp_path: Path) -> None:
     """A reader polling status.json while it is rewritten 300 times always parses a whole document."""
     config = load_config(ROOT / "configs" / "tiny.toml", ["telemetry.status_every=1"])
     status = StatusFile(config)
-    status.on_start(tmp_path, config.model_dump(mode="json"), {}, {})
+    status.on_start(RunStart(tmp_path, config.model_dump(mode="json"), {}, {}))
     seen: list[int] = []
     errors: list[str] = []
     stop = threading.Event()
@@ -233,7 +234,7 @@ def test_status_json_is_replaced_atomically(tmp_path: Path) -> None:
 def test_status_is_written_every_n_steps_and_at_once_for_events(tmp_path: Path) -> None:
     config = load_config(ROOT / "configs" / "tiny.toml", ["telemetry.status_every=10"])
     status = StatusFile(config)
-    status.on_start(tmp_path, config.model_dump(mode="json"), {}, {})
+    status.on_start(RunStart(tmp_path, config.model_dump(mode="json"), {}, {}))
 
     def on_disk() -> int:
         return read_status(tmp_path)["progress"]["step"]
@@ -252,11 +253,11 @@ def test_status_is_written_every_n_steps_and_at_once_for_events(tmp_path: Path) 
 def test_a_resumed_run_keeps_the_earlier_attempts(tmp_path: Path) -> None:
     config = load_config(ROOT / "configs" / "tiny.toml", ["telemetry.status_every=1"])
     first = StatusFile(config)
-    first.on_start(tmp_path, {}, {}, {})
+    first.on_start(RunStart(tmp_path, {}, {}, {}))
     first.on_log(record(5, events=["memory: grew"]))
     first.on_exit("stopped", 5)
     second = StatusFile(config)
-    second.on_start(tmp_path, {}, {}, {})
+    second.on_start(RunStart(tmp_path, {}, {}, {}))
     second.on_log(record(6))
     status = read_status(tmp_path)
     assert status["attempts"] == [
@@ -271,7 +272,7 @@ def test_a_resumed_run_keeps_the_earlier_attempts(tmp_path: Path) -> None:
 def test_a_run_that_stopped_updating_is_stale(tmp_path: Path) -> None:
     config = load_config(ROOT / "configs" / "tiny.toml")
     status = StatusFile(config)
-    status.on_start(tmp_path, {}, {}, {})
+    status.on_start(RunStart(tmp_path, {}, {}, {}))
     status.on_checkpoint(tmp_path / "checkpoints" / "step_00000500", 500)
     document = read_status(tmp_path)
     document["updated_at"] = (datetime.now(UTC) - timedelta(hours=2)).isoformat(timespec="seconds")

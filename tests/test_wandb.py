@@ -16,6 +16,7 @@ import pytest
 from app.config import load_config
 from app.env import collect_fingerprint
 from app.telemetry import TelemetryWarning, build_telemetry
+from app.telemetry.reporter import RunStart
 from app.telemetry.status import read_status
 from app.telemetry.wandb_sink import RUN_ID_FILE, WandbReporter, resolve_wandb_mode, wandb_metrics
 from app.train.trainer import Trainer
@@ -89,12 +90,8 @@ def test_offline_run_holds_config_fingerprint_history_and_summary(tmp_path: Path
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", TelemetryWarning)  # nothing may go wrong here
-        reporter.on_start(
-            run_dir,
-            config,
-            collect_fingerprint(),
-            {"compiled": True, "key": "3f9c0d1e", "cache_loaded": True},
-        )
+        compile_report = {"compiled": True, "key": "3f9c0d1e", "cache_loaded": True}
+        reporter.on_start(RunStart(run_dir, config, collect_fingerprint(), compile_report))
         reporter.on_log(train_record(2))
         reporter.on_log(train_record(4, ["memory: reserved GPU memory grew 9%"]))
         reporter.on_log({"step": 4, "eval": {"tau": 2.75, "rounds": 12, "generated_tokens": 33}})
@@ -176,7 +173,7 @@ def test_wandb_not_installed_is_a_warning(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setitem(__import__("sys").modules, "wandb", None)  # `import wandb` raises ImportError
     reporter = WandbReporter("offline", "dflash-test", None, timeout_s=10)
     with pytest.warns(TelemetryWarning, match=r"wandb did not start \(ModuleNotFoundError"):
-        reporter.on_start(tmp_path, {}, {}, {})
+        reporter.on_start(RunStart(tmp_path, {}, {}, {}))
         reporter.on_exit("completed", 0)
     reporter.on_log(train_record(1))  # after giving up, records are dropped at once
     assert reporter._queue.empty()

@@ -18,6 +18,7 @@ from app.config.schema import StorageConfig
 from app.storage.remote import EXPORTS, RemoteRun
 from app.storage.s3 import StorageError, describe_error, make_client, parse_s3_uri
 from app.telemetry.guard import warn
+from app.telemetry.reporter import RunStart
 from app.telemetry.status import now_iso
 
 CLOSING_RETRY_S = 10.0
@@ -68,14 +69,8 @@ class S3Sync:
 
     # ---- reporter -----------------------------------------------------------------------------------
 
-    def on_start(
-        self,
-        run_dir: Path,
-        config: dict[str, Any],
-        fingerprint: dict[str, Any],
-        compile_report: dict[str, Any],
-    ) -> None:
-        self.run_dir = run_dir
+    def on_start(self, start: RunStart) -> None:
+        self.run_dir = start.run_dir
         self._thread = threading.Thread(target=self._work, name="s3-sync", daemon=True)
         self._thread.start()
         self._wake.set()  # the first round sends the run files: an early warning when S3 is unreachable

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from app.telemetry.reporter import HealthWatch, Reporter
+from app.telemetry.reporter import HealthWatch, Reporter, RunStart
 
 MAX_CONSECUTIVE_FAILURES = 5
 """Failures in a row after which a reporter or watch is switched off for the rest of the run."""
@@ -53,14 +53,8 @@ class GuardedReporter:
     def disabled(self) -> bool:
         return self._failures.disabled
 
-    def on_start(
-        self,
-        run_dir: Path,
-        config: dict[str, Any],
-        fingerprint: dict[str, Any],
-        compile_report: dict[str, Any],
-    ) -> None:
-        self._call("on_start", run_dir, config, fingerprint, compile_report)
+    def on_start(self, start: RunStart) -> None:
+        self._call("on_start", start)
 
     def on_log(self, record: dict[str, Any]) -> None:
         self._call("on_log", record)

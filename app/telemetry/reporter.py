@@ -8,20 +8,27 @@ slow work goes to a background thread, and failures become warnings.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 
+@dataclass(frozen=True)
+class RunStart:
+    """What every reporter is told when the run starts."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    """The resolved run config, JSON-ready."""
+    fingerprint: dict[str, Any]
+    """The environment fingerprint (`dflash doctor`)."""
+    compile_report: dict[str, Any]
+    """What train start did about compilation (`CompileReport.to_dict()`: cache key, loaded or not,
+    warm-up counters, the loaded cache's measured step time)."""
+
+
 class Reporter(Protocol):
-    def on_start(
-        self,
-        run_dir: Path,
-        config: dict[str, Any],
-        fingerprint: dict[str, Any],
-        compile_report: dict[str, Any],
-    ) -> None:
-        """The run starts: its resolved config, environment fingerprint and what train start did about
-        compilation (`CompileReport.to_dict()`: cache key, loaded or not, warm-up counters, baseline)."""
+    def on_start(self, start: RunStart) -> None: ...
 
     def on_log(self, record: dict[str, Any]) -> None:
         """One log line's metrics (step, loss, acc, streak, lr, noise, rates, queues, memory, events)."""
@@ -39,14 +46,8 @@ class MetricsFile:
     def __init__(self) -> None:
         self.path: Path | None = None
 
-    def on_start(
-        self,
-        run_dir: Path,
-        config: dict[str, Any],
-        fingerprint: dict[str, Any],
-        compile_report: dict[str, Any],
-    ) -> None:
-        self.path = run_dir / "metrics.jsonl"
+    def on_start(self, start: RunStart) -> None:
+        self.path = start.run_dir / "metrics.jsonl"
 
     def on_log(self, record: dict[str, Any]) -> None:
         assert self.path is not None, "on_start comes first"

@@ -20,6 +20,7 @@ from app.config import RunConfig
 from app.errors import UserError
 from app.telemetry.baseline import Baseline, baseline_from_compile_report
 from app.telemetry.health import active_conditions
+from app.telemetry.reporter import RunStart
 
 STATUS_FILE = "status.json"
 SCHEMA_VERSION = 1
@@ -81,31 +82,25 @@ class StatusFile:
 
     # ---- reporter -----------------------------------------------------------------------------------
 
-    def on_start(
-        self,
-        run_dir: Path,
-        config: dict[str, Any],
-        fingerprint: dict[str, Any],
-        compile_report: dict[str, Any],
-    ) -> None:
-        self.path = run_dir / STATUS_FILE
-        self.baseline = baseline_from_compile_report(compile_report)
+    def on_start(self, start: RunStart) -> None:
+        self.path = start.run_dir / STATUS_FILE
+        self.baseline = baseline_from_compile_report(start.compile_report)
         previous = _previous_status(self.path)
         attempts = previous.get("attempts", [])
         if previous:
             attempts = [*attempts, _attempt_summary(previous)]
         self.status = {
             "schema": SCHEMA_VERSION,
-            "run_name": self.config.telemetry.run_name or run_dir.resolve().name,
-            "run_dir": str(run_dir.resolve()),
+            "run_name": self.config.telemetry.run_name or start.run_dir.resolve().name,
+            "run_dir": str(start.run_dir.resolve()),
             "state": "running",
             "exit_reason": None,
             "started_at": now_iso(),
             "finished_at": None,
             "goal": goal(self.config),
             "config": config_summary(self.config),
-            "fingerprint": fingerprint_summary(fingerprint),
-            "compile": compile_report,
+            "fingerprint": fingerprint_summary(start.fingerprint),
+            "compile": start.compile_report,
             "progress": {"step": previous.get("progress", {}).get("step", 0)},
             "throughput": {"baseline": self.baseline.to_dict() if self.baseline else None},
             "eval": previous.get("eval"),

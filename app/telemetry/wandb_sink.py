@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from app.atomic import write_text_atomic
 from app.telemetry.guard import warn
+from app.telemetry.reporter import RunStart
 
 WandbMode = Literal["online", "offline", "disabled"]
 RUN_ID_FILE = "wandb_id"
@@ -82,17 +83,11 @@ class WandbReporter:
         self._exit: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None
 
-    def on_start(
-        self,
-        run_dir: Path,
-        config: dict[str, Any],
-        fingerprint: dict[str, Any],
-        compile_report: dict[str, Any],
-    ) -> None:
-        run_id = _run_id(run_dir)
-        run_config = {"run": config, "fingerprint": fingerprint, "compile": compile_report}
+    def on_start(self, start: RunStart) -> None:
+        run_id = _run_id(start.run_dir)
+        run_config = {"run": start.config, "fingerprint": start.fingerprint, "compile": start.compile_report}
         self._thread = threading.Thread(
-            target=self._work, args=(run_dir, run_id, run_config), name="wandb-reporter", daemon=True
+            target=self._work, args=(start.run_dir, run_id, run_config), name="wandb-reporter", daemon=True
         )
         self._thread.start()
 

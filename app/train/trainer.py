@@ -60,7 +60,7 @@ from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
 from app.telemetry.health import ExternalEvents
 from app.telemetry.logline import LogLine
-from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter
+from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
 from app.train.schedule import learning_rate
 from app.train.setup import load_run_data, load_tokenizer, pick_device, training_signal
 
@@ -535,7 +535,7 @@ class Trainer:
         write_json_atomic(self.run_dir / "config.json", config)
         save_fingerprint(fingerprint, self.run_dir / "fingerprint.json")
         for reporter in self.reporters:
-            reporter.on_start(self.run_dir, config, fingerprint, self.compile_report.to_dict())
+            reporter.on_start(RunStart(self.run_dir, config, fingerprint, self.compile_report.to_dict()))
 
     def _note(self, line: str) -> None:
         """A line only the logging rank prints (every drafter rank would print the same)."""
