@@ -9,7 +9,7 @@ import pytest
 
 from app.bench.pipeline import format_report, read_train_records, run_pipeline_bench, steady_state
 from app.errors import UserError
-from tests.small_run import SMALL
+from tests.helpers import SMALL, run_dflash
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -60,3 +60,12 @@ def test_too_few_log_lines_after_warm_up_is_a_usage_error(split_report) -> None:
     records = read_train_records(run_dir / "metrics.jsonl")
     with pytest.raises(UserError, match=r"1 log lines after telemetry.warmup_steps=10; raise --steps"):
         steady_state(records, warmup_steps=10)
+
+
+def test_a_multi_node_topology_is_refused_in_one_line() -> None:
+    overrides = ["topology.nnodes=2", "topology.nproc_per_node=1", "topology.drafter_ranks=2"]
+    done = run_dflash("bench", "pipeline", "configs/tiny.toml", *overrides)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "dflash: error: bench pipeline: topology.nnodes must be 1 (the benchmark runs one node's ranks)"
+    ]

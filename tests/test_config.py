@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app.config import ConfigError, default_gamma, default_target_layer_ids, load_config
+from tests.helpers import run_dflash
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -154,29 +153,25 @@ def test_default_layer_ids_and_gamma() -> None:
     assert 10 <= default_gamma(32) <= 14
 
 
-def dflash(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, cwd=ROOT)
-
-
 def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
-    shown = dflash("config", "show", "configs/tiny.toml", "train.lr=0.5")
+    shown = run_dflash("config", "show", "configs/tiny.toml", "train.lr=0.5")
     assert shown.returncode == 0, shown.stderr
     assert "[train]" in shown.stdout and "lr = 0.5" in shown.stdout
 
-    bad = dflash("config", "show", "configs/tiny.toml", "train.lr=-1")
+    bad = run_dflash("config", "show", "configs/tiny.toml", "train.lr=-1")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         "dflash: error: configs/tiny.toml: train.lr: must be > 0.0, got -1"
     ]
 
-    usage = dflash("config", "show")
+    usage = run_dflash("config", "show")
     assert usage.returncode == 2
 
 
 def test_cli_config_schema_documents_every_field() -> None:
     from app.config.schema import RunConfig
 
-    result = dflash("config", "schema", "--json")
+    result = run_dflash("config", "schema", "--json")
     assert result.returncode == 0
     assert '"token_budget"' in result.stdout
     for section in RunConfig.model_fields.values():

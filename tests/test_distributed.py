@@ -36,7 +36,7 @@ from app.pipeline.roles import layout_for
 from app.pipeline.sidechannel import SideChannel, Watchdog
 from app.pipeline.transport import decode_meta, encode_meta, sample_digest
 from app.train.trainer import Trainer
-from tests.small_run import SMALL
+from tests.helpers import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"

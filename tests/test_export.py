@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from app.errors import UserError
 from app.export import export_drafter, load_exported, load_trained_drafter
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import target_text_config
+from tests.helpers import run_dflash
 
 VOCAB, HIDDEN, LAYERS, BLOCK, MASK = 300, 64, 8, 4, 7
 
@@ -232,21 +232,11 @@ def test_trained_drafter_loads_from_a_run_or_a_checkpoint_directory(tmp_path: Pa
         load_trained_drafter(run_dir).build()
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parents[1],
-    )
-
-
 def test_export_cli_writes_a_loadable_export(tmp_path: Path) -> None:
     drafter, _ = build(seed=9)
     run_dir = make_run_dir(tmp_path, drafter, step=12)
     out = tmp_path / "exported"
-    done = run_cli("export", str(run_dir), "--out", str(out), "--dtype", "fp32")
+    done = run_dflash("export", str(run_dir), "--out", str(out), "--dtype", "fp32")
     assert done.returncode == 0, done.stderr
     assert "exported step 12" in done.stdout and "target_layer_ids [1, 5]" in done.stdout
     assert torch.equal(draft_logits(load_exported(out)), draft_logits(drafter))

@@ -25,7 +25,7 @@ from app.storage.s3 import MIB, digest_file, make_client, remote_mismatch, trans
 from app.telemetry import TelemetryWarning, build_telemetry
 from app.telemetry.reporter import RunStart
 from app.train.trainer import Trainer, TrainingStopped
-from tests.small_run import StopAtStep, small_config
+from tests.helpers import StopAtStep, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "dflash-test-secret-never-logged"

@@ -24,7 +24,7 @@ from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
 from app.train.trainer import NonFiniteLoss, Trainer
-from tests.small_run import small_config
+from tests.helpers import small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

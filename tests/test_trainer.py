@@ -13,7 +13,7 @@ from app.checkpoint.store import checkpoint_root, complete_checkpoints
 from app.config import load_config
 from app.errors import UserError
 from app.train.trainer import Trainer, TrainingStopped
-from tests.small_run import StopAtStep, small_config
+from tests.helpers import StopAtStep, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "tiny_loss_curve.json"

@@ -20,7 +20,7 @@ from app.telemetry.reporter import RunStart
 from app.telemetry.status import read_status
 from app.telemetry.wandb_sink import RUN_ID_FILE, WandbReporter, resolve_wandb_mode, wandb_metrics
 from app.train.trainer import Trainer
-from tests.small_run import SMALL
+from tests.helpers import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,10 +1,13 @@
-"""Shared pieces of the tests that run the real trainer on the tiny target: the small-shape
-overrides (seconds per step on CPU) and a reporter that preempts the run at a given step."""
+"""Shared test helpers: the `dflash` CLI in a fresh interpreter, and for the tests that run the real
+trainer on the tiny target, the small-shape overrides (seconds per step on CPU) and a reporter that
+preempts the run at a given step."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from app.config import RunConfig, load_config
@@ -50,3 +53,9 @@ def small_config(data: Path, run_dir: Path, *extra: str) -> RunConfig:
     """configs/tiny.toml at the SMALL shapes, training on `data`, writing to `run_dir`."""
     overrides = [*SMALL, f"data.train_files=['{data}']", f"train.output_dir={run_dir}", *extra]
     return load_config(ROOT / "configs" / "tiny.toml", overrides)
+
+
+def run_dflash(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python -m app ARGS` from the repository root: the CLI as a user runs it, exit code included."""
+    command = [sys.executable, "-m", "app", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
