@@ -99,7 +99,7 @@ def test_sustained_slow_steps_against_a_step_time_baseline() -> None:
     )
     # step 10: warm-up; step 30: one slow window (a checkpoint save) is not enough; 60 and 100: sustained
     assert [step for step, _ in events] == [60, 100]
-    assert "5.0Ktok/s, 1s/step is 25% of the baseline 0.25s/step (manifest)" in events[0][1]
+    assert "5.0Ktok/s, 1s/step is 75% below the baseline 0.25s/step (manifest)" in events[0][1]
     assert watch.active is not None
 
 
@@ -110,7 +110,9 @@ def test_tokens_baseline_and_on_baseline_speed() -> None:
     assert run_watch(watch, healthy) == []
     events = run_watch(watch, degraded)
     assert (
-        len(events) == 1 and "4.6Ktok/s" in events[0][1] and "21% of the baseline 21.5Ktok/s" in events[0][1]
+        len(events) == 1
+        and "4.6Ktok/s" in events[0][1]
+        and "79% below the baseline 21.5Ktok/s" in events[0][1]
     )
 
 

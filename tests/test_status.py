@@ -156,7 +156,7 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
     assert not healthy
     assert "health: DEGRADED (2 events)" in text
     assert (
-        "step 110: throughput: 4.6Ktok/s, 1.11s/step is 22% of the baseline 0.25s/step "
+        "step 110: throughput: 4.6Ktok/s, 1.11s/step is 78% below the baseline 0.25s/step "
         "(compile cache /cache/3f9c0d1e)" in text
     )
     assert "22% of the baseline (compile cache /cache/3f9c0d1e)" in text

@@ -103,7 +103,7 @@ class ThroughputWatch:
         if record.get("drafter_batches_per_s"):
             measured.append(f"{1 / record['drafter_batches_per_s']:.3g}s/step")
         self.active = (
-            f"throughput: {', '.join(measured)} is {ratio:.0%} of the baseline {self.baseline.describe()} "
+            f"throughput: {', '.join(measured)} is {1 - ratio:.0%} below the baseline {self.baseline.describe()} "
             f"for {self.sustain} log lines in a row (degraded kernels? a missed compile cache? another GPU?)"
         )
         return [self.active]
