@@ -35,3 +35,11 @@ image-smoke *args:
 # bake the compile cache of a config on this GPU model into compile_cache/<key>/ (a no-op when it matches)
 build-cache file=config *overrides:
     ./uvw run dflash build-cache {{file}} {{overrides}}
+
+# the GPU benchmarks of BENCHMARKS.md on this machine, logs in DIR (persistent, not /tmp); the pipeline one needs 2 GPUs
+bench-gpu dir="runs/bench" file="configs/qwen3-8b-h200.toml":
+    mkdir -p {{dir}}
+    ./uvw run dflash bench drafter {{file}} --steps 10 --warmup 3 | tee {{dir}}/drafter.txt
+    ./uvw run python -m app.bench.compile_start run {{file}} --workdir {{dir}}/compile-start --steps 300 --out {{dir}}/compile-start.json
+    ./uvw run dflash bench data {{dir}}/data --conversations 1500 --mean-words 900
+    ./uvw run dflash bench pipeline {{file}} topology.target_ranks=1 topology.drafter_ranks=1 topology.nproc_per_node=2 target.tokenizer={{dir}}/data/tokenizer "data.train_files=['{{dir}}/data/train.jsonl']" --steps 200 --workdir {{dir}}/pipeline --out {{dir}}/pipeline.json
