@@ -291,3 +291,33 @@ def test_no_status_is_a_one_line_usage_error(tmp_path: Path, capsys, monkeypatch
     assert done.stderr.strip().splitlines() == [
         f"dflash: error: {tmp_path / STATUS_FILE}: no status file; is {tmp_path} a run directory of a started run?"
     ]
+
+
+def test_a_compile_cache_problem_at_train_start_is_a_health_event(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path, monkeypatch
+) -> None:
+    """What train start found wrong with the compile cache (GPU only: stood in for by the report a damaged
+    entry produces) reaches the first log line, status.json and `dflash status`."""
+    from app.compile.prepare import CompileReport
+
+    problem = "compile cache unusable, compiling from scratch: 3f9c0d1e/manifest.json: not valid JSON"
+
+    def damaged_cache(config, target, drafter, device, log) -> CompileReport:
+        return CompileReport(compiled=True, device="cuda:0", key="3f9c0d1e", problems=[problem])
+
+    monkeypatch.setattr("app.train.trainer.prepare_compiled_training", damaged_cache)
+    run_dir = tmp_path / "damaged"
+    config = small_config(tiny_conversations, run_dir, "train.max_steps=2")
+    reporters, watches = build_telemetry(config)
+    lines: list[str] = []
+    Trainer(config, reporters=reporters, watches=watches, log=lines.append).run()
+
+    assert any(line.startswith("[") and f"compile: {problem}" in line for line in lines), lines
+    status = read_status(run_dir)
+    assert [(event["step"], event["message"]) for event in status["health"]["events"]] == [
+        (1, f"compile: {problem}")
+    ]
+    assert status["health"]["state"] == "degraded" and status["compile"]["problems"] == [problem]
+    text, healthy = render_status(run_dir)
+    assert not healthy and "compile: NO cache for key 3f9c0d1e: compiled from scratch" in text
+    assert "rebuild it for this stack (`just build-cache`)" in text
