@@ -58,7 +58,10 @@ def test_too_few_log_lines_after_warm_up_is_a_usage_error(split_report) -> None:
     _, workdir = split_report
     (run_dir,) = workdir.glob("pipeline-*")
     records = read_train_records(run_dir / "metrics.jsonl")
-    with pytest.raises(UserError, match=r"1 log lines after telemetry.warmup_steps=10; raise --steps"):
+    with pytest.raises(
+        UserError,
+        match=r"1 log lines after telemetry.warmup_steps=10 \(the run logged steps 2-12\); raise --steps",
+    ):
         steady_state(records, warmup_steps=10)
 
 

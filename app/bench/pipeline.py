@@ -105,9 +105,10 @@ def steady_state(records: list[dict[str, Any]], warmup_steps: int) -> dict[str, 
     """
     steady = [record for record in records if record["step"] > warmup_steps]
     if len(steady) < 2:
+        logged = f"steps {records[0]['step']}-{records[-1]['step']}" if records else "nothing"
         raise UserError(
-            f"bench pipeline: {len(steady)} log lines after telemetry.warmup_steps={warmup_steps}; "
-            "raise --steps or lower telemetry.log_every"
+            f"bench pipeline: {len(steady)} log lines after telemetry.warmup_steps={warmup_steps} (the run "
+            f"logged {logged}); raise --steps (and train.epochs) or lower telemetry.log_every"
         )
     first, last = steady[0], steady[-1]
     seconds = last["elapsed_s"] - first["elapsed_s"]
