@@ -1,4 +1,5 @@
-"""Shared test helpers: the `dflash` CLI in a fresh interpreter, and for the tests that run the real
+"""Shared test helpers: the `dflash` CLI in a fresh interpreter, the reference layout's weight names,
+and for the tests that run the real
 trainer on the tiny target, the small-shape overrides (seconds per step on CPU) and a reporter that
 preempts the run at a given step."""
 
@@ -13,6 +14,21 @@ from pathlib import Path
 from app.config import RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Per-layer weight names of the reference DFlash layout (what SGLang and vLLM load).
+REFERENCE_LAYER_WEIGHTS = [
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+]
 
 SMALL = [
     "drafter.num_layers=1",

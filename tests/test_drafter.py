@@ -11,6 +11,7 @@ from app.bench.rows import synthetic_row
 from app.config import validate_config
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
+from tests.helpers import REFERENCE_LAYER_WEIGHTS
 
 VOCAB, HIDDEN, BLOCK = 300, 64, 4
 
@@ -90,21 +91,8 @@ def test_arch_reads_multimodal_qwen3_5_configs():
 
 def test_parameter_names_follow_the_reference_layout():
     drafter = DFlashDrafter(DrafterArch.from_config(run_config()))
-    per_layer = [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-        "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight",
-        "self_attn.k_norm.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
-    ]
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
-    expected |= {f"layers.{i}.{name}" for i in range(2) for name in per_layer}
+    expected |= {f"layers.{i}.{name}" for i in range(2) for name in REFERENCE_LAYER_WEIGHTS}
     assert set(drafter.state_dict()) == expected  # no embedding, no LM head, no buffers
     assert {name for name, _ in drafter.named_parameters()} == expected
     assert drafter.fc.weight.shape == (HIDDEN, 2 * HIDDEN) and drafter.fc.bias is None

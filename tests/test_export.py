@@ -17,23 +17,9 @@ from app.errors import UserError
 from app.export import export_drafter, load_exported, load_trained_drafter
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import target_text_config
-from tests.helpers import run_dflash
+from tests.helpers import REFERENCE_LAYER_WEIGHTS, run_dflash
 
 VOCAB, HIDDEN, LAYERS, BLOCK, MASK = 300, 64, 8, 4, 7
-
-REFERENCE_LAYER_WEIGHTS = [
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "self_attn.q_norm.weight",
-    "self_attn.k_norm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-]
 
 
 def raw_config(**drafter) -> dict:
