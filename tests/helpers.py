@@ -1,7 +1,6 @@
 """Shared test helpers: the `dflash` CLI in a fresh interpreter, the reference layout's weight names,
-and for the tests that run the real
-trainer on the tiny target, the small-shape overrides (seconds per step on CPU) and a reporter that
-preempts the run at a given step."""
+and for the tests that run the real trainer on the tiny target, the small-shape overrides (seconds per
+step on CPU) and a reporter that preempts the run at a given step."""
 
 from __future__ import annotations
 
