@@ -42,6 +42,7 @@ def test_split_pipeline_report(split_report) -> None:
     assert len(steady["q_pre"]) == 1 and len(steady["q_hs"]) == 1
     assert 0 < steady["target_busy"][0] <= 1 and 0 <= steady["drafter_waiting"][0] <= 1
     assert stages["device"] == "cpu" and stages["target_forward_s"] > 0 and stages["drafter_step_s"] > 0
+    assert stages["target_forward_full_batch_s"] > 0
     assert stages["compile"]["compiled"] is False
     assert set(capacity["batches_per_s"]) == {"target", "drafter"}
     slowest = min(capacity["batches_per_s"].values())

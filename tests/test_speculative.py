@@ -190,7 +190,7 @@ def test_decode_features_equal_the_training_features(random_qwen3) -> None:
     session.commit(2)  # two of the block's tokens kept, two dropped
     _, next_features = session.forward(sequence[14:22], logits_for=8)
     decoded = torch.cat([prompt_features, block_features[:2], next_features])
-    training = target.features(sequence[None, :22], torch.ones(1, 22, dtype=torch.long))[0]
+    training = target.features(sequence[None, :22])[0]
     torch.testing.assert_close(decoded, training, rtol=1e-4, atol=1e-4)
 
 
@@ -301,7 +301,7 @@ def train_on_own_outputs(config, target: TargetModel, prompts: list[list[int]], 
             attention_mask[row, : len(prompt) + len(answer)] = 1
             loss_mask[row, len(prompt) : len(prompt) + len(answer)] = True
         batch = TargetBatch(input_ids, attention_mask, loss_mask, torch.arange(start, start + len(chunk)))
-        batches.append((batch, target.features(batch.input_ids, batch.attention_mask)))
+        batches.append((batch, target.features(batch.input_ids)))
 
     torch.manual_seed(0)
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=0)

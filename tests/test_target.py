@@ -58,17 +58,31 @@ def test_features_are_the_outputs_of_the_tapped_layers(architecture):
     layer = target.model.get_decoder().layers[2]
     handle = layer.register_forward_hook(lambda module, args, output: outputs.setdefault("layer 2", output))
     try:
-        features = target.features(*batch())
+        features = target.features(batch()[0])
     finally:
         handle.remove()
     layer_output = outputs["layer 2"][0] if isinstance(outputs["layer 2"], tuple) else outputs["layer 2"]
-    hidden_states = target.model(*batch(), output_hidden_states=True).hidden_states
+    hidden_states = target.model(batch()[0], output_hidden_states=True).hidden_states
     assert features.shape == (2, 11, 3 * 32) and features.dtype == torch.float32
     # HF's hidden_states[i + 1] is the output of decoder layer i (index 0 is the embeddings) ...
     torch.testing.assert_close(hidden_states[3], layer_output)
     assert not torch.allclose(hidden_states[2], layer_output)
     # ... and features are exactly those, concatenated in the configured order (the last layer included)
     torch.testing.assert_close(features, torch.cat([hidden_states[i + 1] for i in (0, 2, 3)], dim=-1))
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_right_padded_rows_need_no_mask(architecture):
+    """features() runs without a padding mask (SDPA's fused causal kernel): a right-padded row's
+    real tokens must come out as in HF's masked forward, for full and linear attention alike."""
+    target = load_target(config_for({"architecture": ARCHITECTURES[architecture]}, [0, 2, 3]), "cpu")
+    input_ids, attention_mask = batch()
+    masked = target.model(input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    expected = torch.cat([masked[i + 1] for i in (0, 2, 3)], dim=-1)
+    real = attention_mask.bool()
+    features = target.features(input_ids)
+    torch.testing.assert_close(features[real], expected[real])
+    assert not torch.allclose(features[~real], expected[~real])  # the mask did change the padding
 
 
 def test_forward_stops_after_the_deepest_tapped_layer():
@@ -80,7 +94,7 @@ def test_forward_stops_after_the_deepest_tapped_layer():
         decoder.norm.register_forward_hook(lambda *args: ran.append("final norm")),
     ]
     try:
-        features = target.features(*batch())
+        features = target.features(batch()[0])
         assert ran == [] and features.shape == (2, 11, 64)
         target.model(*batch())  # an early stop leaves the model usable as usual
         assert ran == ["layer 2", "final norm"]
@@ -93,7 +107,7 @@ def test_target_is_frozen_and_exposes_what_the_drafter_borrows(target):
     assert not any(parameter.requires_grad for parameter in target.model.parameters())
     assert not target.model.training
     with torch.enable_grad():
-        assert target.features(*batch()).grad_fn is None
+        assert target.features(batch()[0]).grad_fn is None
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (4, 32, 128)
     assert target.layer_ids == [0, 2, 3]
     assert target.embed_tokens.weight.shape == (128, 32) and target.lm_head.weight.shape == (128, 32)
@@ -121,7 +135,7 @@ def test_default_layer_ids_are_spread_over_the_target():
 def test_loads_a_local_checkpoint(tmp_path, target):
     target.model.save_pretrained(tmp_path / "model")
     loaded = load_target(config_for({"path": str(tmp_path / "model")}, [0, 2, 3]), "cpu")
-    torch.testing.assert_close(loaded.features(*batch()), target.features(*batch()))
+    torch.testing.assert_close(loaded.features(batch()[0]), target.features(batch()[0]))
     assert target_text_config(config_for({"path": str(tmp_path / "model")}).target).num_hidden_layers == 4
 
 
@@ -136,8 +150,8 @@ def test_loads_a_multimodal_qwen3_5_checkpoint_as_a_causal_lm(tmp_path):
     full.save_pretrained(tmp_path / "vlm")  # weights under model.language_model.*, as Qwen3.5/3.6 ship
     loaded = load_target(config_for({"path": str(tmp_path / "vlm")}, [1, 2]), "cpu")
     with torch.no_grad():
-        reference = full(*batch(), output_hidden_states=True).hidden_states
-    torch.testing.assert_close(loaded.features(*batch()), torch.cat([reference[2], reference[3]], dim=-1))
+        reference = full(batch()[0], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(loaded.features(batch()[0]), torch.cat([reference[2], reference[3]], dim=-1))
 
 
 def test_bad_target_paths_are_one_line_user_errors(tmp_path):
@@ -172,4 +186,4 @@ def test_builtin_tiny_lm_target():
     )
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (6, 128, 2048)
     assert target.layer_ids == [1, 3]
-    assert target.features(*batch()).shape == (2, 11, 2 * 128)
+    assert target.features(batch()[0]).shape == (2, 11, 2 * 128)

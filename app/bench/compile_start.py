@@ -226,7 +226,7 @@ def _target_features(config: RunConfig, target: TargetModel, device: torch.devic
     rows = max(1, budget // length)
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, target.vocab_size, (rows, length), generator=generator).to(device)
-    features = target.features(input_ids, torch.ones_like(input_ids)).reshape(rows * length, -1)[:budget]
+    features = target.features(input_ids).reshape(rows * length, -1)[:budget]
     if features.shape[0] < budget:
         features = torch.cat([features, features.new_zeros(budget - features.shape[0], features.shape[1])])
     return features

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from app.bench.rows import synthetic_row
+from app.compile.warmup import synchronize
 from app.config import RunConfig, default_gamma
 from app.data.batch import DrafterRow, FeatureBatch
 from app.model.drafter import DFlashDrafter, DrafterArch
@@ -157,11 +158,11 @@ def run_drafter_bench(
 
     started = time.perf_counter()
     step(rows[0])
-    _synchronize(device)
+    synchronize(device)
     first_call_s = time.perf_counter() - started
     for index in range(1, warmup):
         step(rows[index % ROWS])
-    _synchronize(device)
+    synchronize(device)
 
     host_syncs = _host_syncs(step, rows[1]) if cuda else None
     if cuda:
@@ -243,11 +244,6 @@ def _default_device(config: RunConfig) -> str:
     if config.train.device != "auto":
         return config.train.device
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(step, row: DrafterRow, device: torch.device) -> float:

@@ -90,7 +90,7 @@ def warm_up_drafter(
     started = time.perf_counter()
     forward_backward(config, drafter, heads, batch, device)
     drafter.zero_grad(set_to_none=True)
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - started
 
 
@@ -132,11 +132,11 @@ def time_training_steps(
 
     for index in range(warmup_steps):
         step(index)
-    _synchronize(device)
+    synchronize(device)
     started = time.perf_counter()
     for index in range(steps):
         step(index)
-    _synchronize(device)
+    synchronize(device)
     drafter_step_s = (time.perf_counter() - started) / steps
     return StepTiming(drafter_step_s, time_target_forward(config, target, device), steps)
 
@@ -145,13 +145,13 @@ def time_target_forward(
     config: RunConfig, target: TargetModel, device: torch.device, repeats: int = 3
 ) -> float:
     """Seconds per target forward over a full batch (`token_budget // max_length` rows of `max_length`)."""
-    input_ids, attention_mask = _target_batch(config, target, device)
-    target.features(input_ids, attention_mask)
-    _synchronize(device)
+    input_ids = _target_batch(config, target, device)
+    target.features(input_ids)
+    synchronize(device)
     started = time.perf_counter()
     for _ in range(repeats):
-        target.features(input_ids, attention_mask)
-    _synchronize(device)
+        target.features(input_ids)
+    synchronize(device)
     return (time.perf_counter() - started) / repeats
 
 
@@ -165,22 +165,21 @@ def uses_library_triton_kernels(target: TargetModel) -> bool:
 
 def warm_target(config: RunConfig, target: TargetModel, device: torch.device) -> float:
     """One target forward at the run's batch shape; returns the seconds it took (JIT included)."""
-    input_ids, attention_mask = _target_batch(config, target, device)
+    input_ids = _target_batch(config, target, device)
     started = time.perf_counter()
-    target.features(input_ids, attention_mask)
-    _synchronize(device)
+    target.features(input_ids)
+    synchronize(device)
     return time.perf_counter() - started
 
 
-def _target_batch(
-    config: RunConfig, target: TargetModel, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_batch(config: RunConfig, target: TargetModel, device: torch.device) -> torch.Tensor:
     rows = max(1, config.data.token_budget // config.data.max_length)
     generator = torch.Generator().manual_seed(WARMUP_SEED)
     input_ids = torch.randint(0, target.vocab_size, (rows, config.data.max_length), generator=generator)
-    return input_ids.to(device), torch.ones_like(input_ids, device=device)
+    return input_ids.to(device)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a timing boundary); a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

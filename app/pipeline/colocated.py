@@ -70,7 +70,7 @@ class ColocatedFeatureSource:
         )
         real_tokens = int(batch.attention_mask.sum())
         batch = batch.to(device)
-        features = self.target.features(batch.input_ids, batch.attention_mask)
+        features = self.target.features(batch.input_ids)
         self.stats.target_batches += 1
         self.stats.drafter_batches += 1
         self.stats.real_tokens += real_tokens

@@ -190,7 +190,7 @@ class TargetWorker:
             began, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record()
         batch = prepared.batch.to(device)
-        features = self.target.features(batch.input_ids, batch.attention_mask)
+        features = self.target.features(batch.input_ids)
         # Only the real tokens' features travel, padded to the row's fixed shape: every send is alike.
         padded = pad_features(real_token_features(batch, features), self.config.data.token_budget)
         if ready is not None:
