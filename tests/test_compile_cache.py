@@ -382,10 +382,19 @@ def test_user_is_filled_in_when_the_container_has_none(monkeypatch):
 
 def test_baseline_follows_the_topology_and_feeds_the_throughput_watch():
     colocated = tiny_config()
-    split = tiny_config("topology.target_ranks=1", "topology.nproc_per_node=2")
     measured = {"drafter_step_s": 0.2, "target_forward_s": 0.3}
     assert baseline_step_time(measured, colocated) == pytest.approx(0.5)
-    assert baseline_step_time(measured, split) == pytest.approx(0.2)
+
+    def split(targets: int, drafters: int) -> float | None:
+        topology = [f"topology.target_ranks={targets}", f"topology.drafter_ranks={drafters}"]
+        return baseline_step_time(
+            measured, tiny_config(*topology, f"topology.nproc_per_node={targets + drafters}")
+        )
+
+    assert split(1, 1) == pytest.approx(0.3)  # target-bound: one target forward per step
+    assert split(2, 1) == pytest.approx(0.2)  # drafter-bound
+    assert split(5, 3) == pytest.approx(0.2)  # 3 batches per step from 5 targets: 0.18 s < 0.2 s
+    assert split(1, 2) == pytest.approx(0.6)  # two batches per step from one target
     assert baseline_step_time({}, colocated) is None
 
     watch = throughput_watch(0.5, "compile_cache/key", colocated)

@@ -177,14 +177,19 @@ def describe_recompile(message: str) -> str:
 def baseline_step_time(measured: dict[str, Any], config: RunConfig) -> float | None:
     """Seconds per optimizer step this run should reach, from a manifest's `measured` section.
 
-    A colocated rank also runs the target forward in every step; a drafter rank of a split
-    topology only trains.
+    A colocated rank also runs the target forward in every step. In a split topology a step takes
+    one batch per drafter rank and the target ranks make `target_ranks` batches per forward time,
+    so the step can go no faster than its slower stage: the drafter step, or
+    `drafter_ranks / target_ranks` target forwards (1 target + 1 drafter is target-bound).
     """
     drafter = measured.get("drafter_step_s")
     if not drafter:
         return None
     target = measured.get("target_forward_s") or 0.0
-    return drafter + target if config.topology.target_ranks == 0 else drafter
+    topology = config.topology
+    if topology.target_ranks == 0:
+        return drafter + target
+    return max(drafter, target * topology.drafter_ranks / topology.target_ranks)
 
 
 def throughput_watch(step_time_s: float, source: str, config: RunConfig) -> HealthWatch:
