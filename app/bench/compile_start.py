@@ -1,16 +1,20 @@
 """Process start -> first optimizer step, cold (no cache) vs warm (baked cache, empty inductor dir).
 
-    python -m app.bench.compile_start run CONFIG [overrides] --workdir DIR [--steps 100] [--out FILE]
+    python -m app.bench.compile_start run CONFIG [overrides] --workdir DIR [--steps 100]
+        [--warm-starts 3] [--out FILE]
 
-Three fresh processes, one after the other, each on the config's exact shapes:
+Fresh processes, one after the other, each on the config's exact shapes:
 1. cold: no baked cache, an empty inductor dir (what the incident's restart looked like);
 2. build: `dflash build-cache` into DIR/compile_cache;
 3. warm: the baked cache loaded into another empty inductor dir, then `--steps` steady-state steps
-   under the fail_on_recompile stance, each on a new packed row (new documents and anchors).
+   under the fail_on_recompile stance, each on a new packed row (new documents and anchors);
+4. `--warm-starts` - 1 more warm starts (each into its own empty inductor dir): the ratio uses the
+   median warm start, as single starts vary by a second or two.
 Each start process builds what the trainer builds (target, drafter, fused AdamW), calls
 `prepare_compiled_training`, and times until its first optimizer step has finished on the GPU.
-Context features come from real target forwards of random tokens (a small pool, reused across the
-steady-state steps: the recompile question does not depend on their values). Prints a table.
+Context features come from real target forwards of random tokens: one before the first step (as the
+trainer's first batch), a second one after it; the steady-state steps alternate between the two (the
+recompile question does not depend on their values). Prints a table.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -60,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, required=True, help="Persistent scratch dir (not under /tmp)."
     )
     parser.add_argument("--steps", type=int, default=100, help="Steady-state steps of the warm run.")
+    parser.add_argument("--warm-starts", type=int, default=3, help="Warm starts to take the median of.")
     parser.add_argument("--out", type=Path, help="Also write the results as JSON here.")
     return parser
 
@@ -69,19 +75,26 @@ def orchestrate(args: argparse.Namespace) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     cache = workdir / "compile_cache"
     cold = [f"compile.cache_dir={workdir / 'no_cache'}", f"compile.inductor_dir={workdir / 'inductor-cold'}"]
-    warm = [f"compile.cache_dir={cache}", f"compile.inductor_dir={workdir / 'inductor-warm'}"]
     results: dict[str, Any] = {}
     plan = [
         ("cold", ["start", "--steps", "3"], cold),
         ("build", ["build"], [f"compile.cache_dir={cache}"]),
-        ("warm", ["start", "--steps", str(args.steps)], warm),
     ]
+    for name in warm_start_names(args.warm_starts):
+        steps = args.steps if name == "warm" else 3
+        warm = [f"compile.cache_dir={cache}", f"compile.inductor_dir={workdir / f'inductor-{name}'}"]
+        plan.append((name, ["start", "--steps", str(steps)], warm))
     for name, phase_args, overrides in plan:
         print(f"=== {name}", flush=True)
         results[name] = _child(phase_args, args.config, [*args.overrides, *overrides], workdir)
         if args.out:
             args.out.write_text(json.dumps(results, indent=2, default=str))
     print(format_table(results))
+
+
+def warm_start_names(count: int) -> list[str]:
+    """`warm` (the one with the steady-state steps), then `warm2`, `warm3`, ..."""
+    return ["warm", *(f"warm{index}" for index in range(2, count + 1))]
 
 
 def _child(phase_args: list[str], config: str, overrides: list[str], workdir: Path) -> dict[str, Any]:
@@ -118,13 +131,14 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
     marks["models_built"] = time.time() - spawned_at
     report = prepare_compiled_training(config, target, drafter, device, log=print)
     marks["prepared"] = time.time() - spawned_at
-    feature_pool = [_target_features(config, target, device, seed) for seed in range(FEATURE_POOL)]
+    feature_pool = [_target_features(config, target, device, seed=0)]
     marks["features_ready"] = time.time() - spawned_at
     step = _train_step(config, drafter, target, optimizer, device, recompile_errors)
 
     loss = step(0, feature_pool[0])
     loss.item()
     marks["first_optimizer_step"] = time.time() - spawned_at
+    feature_pool += [_target_features(config, target, device, seed) for seed in range(1, FEATURE_POOL)]
 
     before = read_counters()
     recompile_failure = None
@@ -233,13 +247,14 @@ def _target_features(config: RunConfig, target: TargetModel, device: torch.devic
 
 
 def format_table(results: dict[str, Any]) -> str:
+    starts = [name for name in results if name != "build"]  # cold, warm, warm2, ... in run order
     lines = [
         f"{'run':<6} {'start->1st step':>16} {'prepare':>9} {'fx hit/miss/byp':>16} {'aot hit/miss/byp':>17} "
         f"{'steady steps':>12} {'ms/step':>8} {'recompiles':>10}"
     ]
-    for name in ("cold", "warm"):
-        result = results.get(name) or {}
-        if "failed" in result or not result:
+    for name in starts:
+        result = results[name]
+        if "marks_s" not in result:
             lines.append(f"{name:<6} {result.get('failed', 'not run')}")
             continue
         counters = result["compile"]["warmup_counters"]
@@ -253,12 +268,20 @@ def format_table(results: dict[str, Any]) -> str:
             f"{result['marks_s']['prepared'] - result['marks_s']['models_built']:>8.1f}s {fx:>16} {aot:>17} "
             f"{steady['steps']:>12} {step_ms:>8} {recompiles:>10}"
         )
-    cold, warm = results.get("cold", {}), results.get("warm", {})
-    if "marks_s" in cold and "marks_s" in warm:
-        ratio = warm["marks_s"]["first_optimizer_step"] / cold["marks_s"]["first_optimizer_step"]
-        lines.append(f"warm / cold start->first step: {ratio:.0%}")
-    for name in ("cold", "warm"):
-        marks = (results.get(name) or {}).get("marks_s")
+    first_step = {
+        name: results[name]["marks_s"]["first_optimizer_step"]
+        for name in starts
+        if "marks_s" in results[name]
+    }
+    warm = [seconds for name, seconds in first_step.items() if name.startswith("warm")]
+    if "cold" in first_step and warm:
+        median = statistics.median(warm)
+        lines.append(
+            f"warm / cold start->first step: {median / first_step['cold']:.0%} "
+            f"(median of {len(warm)} warm starts, {median:.1f}s, vs {first_step['cold']:.1f}s cold)"
+        )
+    for name in starts:
+        marks = results[name].get("marks_s")
         if marks:
             phases, previous = [], 0.0
             for mark, at in marks.items():  # in the order the start reached them
