@@ -1,4 +1,5 @@
-"""Checkpoints: atomic, checksummed, keep-last-N, `latest` pointer, corrupt ones skipped."""
+"""Checkpoints: atomic, checksummed, keep-last-N, `latest` pointer, corrupt ones skipped, written in the
+background from a host copy of the state."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from app.checkpoint.store import (
     load_latest_checkpoint,
     save_checkpoint,
 )
+from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
 from app.errors import UserError
 
 
@@ -92,3 +94,55 @@ def test_changed_training_signal_is_refused_naming_the_field(tmp_path: Path) -> 
     check_training_signal(saved, dict(saved), tmp_path)
     with pytest.raises(UserError, match=r"training signal train\.anchors changed from 512 to 1024"):
         check_training_signal(saved, {**saved, "train.anchors": 1024}, tmp_path)
+
+
+# ---- background writes (the trainer's path) ---------------------------------------------------------
+
+
+def live_state(step: int) -> tuple[dict, dict, dict, dict]:
+    weights = {"fc.weight": torch.full((256, 256), float(step))}
+    optimizer = {
+        "state": {0: {"exp_avg": torch.ones(256) * step}},
+        "param_groups": [{"lr": 0.1, "params": [0]}],
+    }
+    return weights, optimizer, {"cpu": torch.get_rng_state()}, {"cursor": step}
+
+
+def test_background_write_keeps_the_state_of_the_moment_of_saving(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path, keep_last=3)
+    weights, optimizer, rng, state = live_state(5)
+    path = writer.save(5, weights, optimizer, rng, state)
+    weights["fc.weight"].add_(100.0)  # the next optimizer step changes the live tensors at once
+    optimizer["state"][0]["exp_avg"].mul_(-1.0)
+    assert writer.completed(block=True) == [SavedCheckpoint(path, 5)]
+    loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and loaded.path == path and loaded.step == 5
+    assert torch.equal(loaded.model_state["fc.weight"], torch.full((256, 256), 5.0))
+    assert torch.equal(loaded.optimizer_state["state"][0]["exp_avg"], torch.ones(256) * 5)
+    assert writer.completed(block=True) == []  # each completed checkpoint is reported once
+
+
+def test_back_to_back_saves_are_written_in_order_and_pruned(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path, keep_last=2)
+    paths = [writer.save(step, *live_state(step)) for step in (1, 2, 3)]
+    assert [saved.step for saved in writer.completed(block=True)] == [1, 2, 3]
+    assert complete_checkpoints(checkpoint_root(tmp_path)) == paths[1:]
+    assert (checkpoint_root(tmp_path) / "latest").read_text() == "step_00000003"
+
+
+def test_a_failed_background_write_is_raised_at_the_next_look_and_leaves_nothing(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path, keep_last=3)
+    writer.save(1, *live_state(1))
+    weights, optimizer, _, state = live_state(2)
+    writer.save(2, weights, optimizer, {"cpu": lambda: None}, state)  # torch.save cannot pickle it
+    with pytest.raises(
+        CheckpointWriteError, match=r"checkpoint of step 2 in .*checkpoints could not be written"
+    ):
+        writer.completed(block=True)
+    root = checkpoint_root(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]  # no partial step_2
+    assert (root / "latest").read_text() == "step_00000001"
+    assert [saved.step for saved in writer.completed(block=True)] == [1]  # the earlier one still counts
+    writer.save(3, *live_state(3))  # the writer carries on
+    assert [saved.step for saved in writer.completed(block=True)] == [3]
+

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from app.checkpoint.store import checkpoint_root, complete_checkpoints
+from app.checkpoint.writer import CheckpointWriteError
 from app.config import load_config
 from app.errors import UserError
 from app.train.trainer import Trainer, TrainingStopped
@@ -158,3 +159,42 @@ def test_golden_loss_curve(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> N
 def _updating() -> bool:
 
     return os.environ.get("DFLASH_UPDATE_GOLDEN") == "1"
+
+
+class CheckpointRecorder:
+    """A reporter that keeps what it is told of checkpoints, and whether each was complete by then."""
+
+    def __init__(self) -> None:
+        self.reported: list[tuple[int, bool]] = []
+
+    def on_start(self, start) -> None:
+        pass
+
+    def on_log(self, record) -> None:
+        pass
+
+    def on_checkpoint(self, path, step) -> None:
+        self.reported.append((step, path in complete_checkpoints(path.parent)))
+
+    def on_exit(self, reason, step) -> None:
+        self.reported.append((-1, reason == "completed"))
+
+
+def test_checkpoints_are_written_in_the_background_and_reported_once_complete(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    config = small_config(tiny_conversations, tmp_path, "train.max_steps=5", "train.save_every=2")
+    recorder = CheckpointRecorder()
+    result = Trainer(config, log=quiet, reporters=[recorder]).run()
+    # steps 2 and 4 (save_every) and 5 (the end), each reported once it is complete, all before the exit
+    assert recorder.reported == [(2, True), (4, True), (5, True), (-1, True)]
+    assert result.checkpoint == complete_checkpoints(checkpoint_root(tmp_path))[-1]
+
+
+def test_a_failed_checkpoint_write_fails_the_run_naming_the_step(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    checkpoint_root(tmp_path).write_text("not a directory")  # every write into it fails
+    config = small_config(tiny_conversations, tmp_path, "train.max_steps=4", "train.save_every=2")
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint of step 2 in .* could not be written \("):
+        Trainer(config, log=quiet).run()

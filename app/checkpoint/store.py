@@ -12,7 +12,8 @@ Layout of a run directory's `checkpoints/`:
 
 A checkpoint is written into a hidden temp directory and renamed into place only when complete, so
 a crash never leaves a partial `step_*`. On load, the manifest's checksums are verified; a truncated
-or corrupt checkpoint is skipped with a warning and the previous good one is used.
+or corrupt checkpoint is skipped with a warning and the previous good one is used. The trainer calls
+`save_checkpoint` from a background thread on a host copy of its state (`app.checkpoint.writer`).
 """
 
 from __future__ import annotations

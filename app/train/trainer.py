@@ -36,8 +36,8 @@ from app.checkpoint.store import (
     check_training_signal,
     checkpoint_root,
     load_latest_checkpoint,
-    save_checkpoint,
 )
+from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
 from app.compile.guard import recompile_errors
 from app.compile.prepare import prepare_compiled_training
 from app.config import RunConfig, default_gamma
@@ -141,6 +141,7 @@ class Trainer:
         self.reporters: list[Reporter] = [MetricsFile(), *(reporters or [])] if self.is_logger else []
         self.watches: list[HealthWatch] = watches or []
         self.run_dir = Path(config.train.output_dir)
+        self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
         self.device = runtime.device if runtime is not None else pick_device(config.train.device)
         self.tokenizer = load_tokenizer(config)
         # Data is loaded (and an empty dataset refused) before any model is built.
@@ -299,12 +300,14 @@ class Trainer:
                 stop = self._stop_agreed()
                 if self.step % train.save_every == 0 or stop:
                     checkpoint = self.save()
+                self._report_checkpoints(self.checkpoints.completed(block=stop))
                 if stop:
                     exit_reason = "stopped"
                     raise TrainingStopped(self.step, checkpoint)
             if pending:
                 losses += self._log(pending, window, source, started)[0]
             checkpoint = self.save()
+            self._report_checkpoints(self.checkpoints.completed(block=True))
         except TrainingStopped:
             raise
         except BaseException as error:
@@ -315,6 +318,7 @@ class Trainer:
         finally:
             source.close()
             self._restore_signal_handlers(previous_handlers)
+            self._settle_checkpoints()
             self._finish(exit_reason)
         self._note(f"done: {self.step} steps in {time.monotonic() - started:.0f}s; checkpoint {checkpoint}")
         return TrainResult(self.run_dir, self.step, checkpoint, losses, evals)
@@ -459,14 +463,14 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------------
 
     def save(self) -> Path:
-        """Write a complete checkpoint of the current step (drafter rank 0 only) and tell the reporters."""
+        """Checkpoint the current step (drafter rank 0 only): the state is copied to host memory now
+        and written in the background; the reporters hear of it once it is complete."""
         if not self.is_logger:
             return checkpoint_root(self.run_dir) / f"{PREFIX}{self.step:08d}"
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        path = save_checkpoint(
-            self.run_dir,
+        return self.checkpoints.save(
             self.step,
             self.drafter.state_dict(),
             self.optimizer.state_dict(),
@@ -478,11 +482,19 @@ class Trainer:
                 "signal": self.signal,
                 "batches_per_step": self.rounds.size,
             },
-            keep_last=self.config.train.keep_last,
         )
-        for reporter in self.reporters:
-            reporter.on_checkpoint(path, self.step)
-        return path
+
+    def _report_checkpoints(self, saved: list[SavedCheckpoint]) -> None:
+        for checkpoint in saved:
+            for reporter in self.reporters:
+                reporter.on_checkpoint(checkpoint.path, checkpoint.step)
+
+    def _settle_checkpoints(self) -> None:
+        """On the way out, also of a failure: the write in flight completes and is reported."""
+        try:
+            self._report_checkpoints(self.checkpoints.completed(block=True))
+        except CheckpointWriteError as error:  # the run is already failing; say this too
+            self.log(f"error: {error}")
 
     def _resume(self) -> bool:
         """Load the latest good checkpoint into this rank; False when there is none."""
