@@ -146,3 +146,16 @@ def test_a_failed_background_write_is_raised_at_the_next_look_and_leaves_nothing
     writer.save(3, *live_state(3))  # the writer carries on
     assert [saved.step for saved in writer.completed(block=True)] == [3]
 
+
+def test_checkpoint_bench_compares_the_training_pause_both_ways(tiny_lm_dir, tmp_path: Path) -> None:
+    from app.bench.checkpoint import format_report, run_checkpoint_bench
+    from app.config import load_config
+
+    config = load_config(Path(__file__).parents[1] / "configs" / "tiny.toml", ["train.device=cpu"])
+    result = run_checkpoint_bench(config, tmp_path / "bench", repeats=1)
+    # fp32 weights and two AdamW moments: more than 4 bytes per parameter
+    assert result["parameters"] > 0 and result["checkpoint_bytes"] > 4 * result["parameters"]
+    assert 0 < result["background_pause_s"] <= result["background_write_s"] and result["in_place_s"] > 0
+    assert not (tmp_path / "bench" / "in_place").exists() and not (tmp_path / "bench" / "background").exists()
+    report = format_report(result)
+    assert "in place:   training waits" in report and "training pause: " in report

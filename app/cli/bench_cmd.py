@@ -1,4 +1,4 @@
-"""`dflash bench drafter|pipeline|data`: benchmarks at a run config's exact shapes, and their data."""
+"""`dflash bench drafter|pipeline|checkpoint|data`: benchmarks at a run config's exact shapes, and their data."""
 
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ def pipeline(
     print(format_report(report))
     if out:
         write_json_atomic(Path(out), report)
+
+
+@group.command("checkpoint")
+def checkpoint(
+    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    workdir: Annotated[
+        str, typer.Option("--workdir", help="Scratch dir on the disk checkpoints go to (emptied after).")
+    ] = "runs/bench/checkpoint",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Saves each way (median).")] = 3,
+) -> None:
+    """How long a checkpoint holds training: written in place vs in the background (the trainer's way)."""
+    from pathlib import Path
+
+    from app.bench.checkpoint import format_report, run_checkpoint_bench
+
+    print(format_report(run_checkpoint_bench(load_config(config, overrides or []), Path(workdir), repeats)))
 
 
 @group.command("data")
