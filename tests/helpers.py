@@ -29,6 +29,33 @@ REFERENCE_LAYER_WEIGHTS = [
     "post_attention_layernorm.weight",
 ]
 
+# A small Qwen3-shaped target (random weights) and a 2-layer drafter over it: the model and export tests.
+SMALL_VOCAB, SMALL_HIDDEN, SMALL_TARGET_LAYERS, SMALL_BLOCK, SMALL_MASK = 300, 64, 8, 4, 7
+
+
+def small_drafter_raw_config(**drafter) -> dict:
+    """The raw (unvalidated) config of that target and drafter; `drafter` overrides drafter fields."""
+    return {
+        "target": {
+            "architecture": {
+                "model_type": "qwen3",
+                "vocab_size": SMALL_VOCAB,
+                "hidden_size": SMALL_HIDDEN,
+                "intermediate_size": 96,
+                "num_hidden_layers": SMALL_TARGET_LAYERS,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "rope_theta": 5000.0,
+                "max_position_embeddings": 2048,
+            }
+        },
+        "drafter": {"num_layers": 2, "block_size": SMALL_BLOCK, "mask_token_id": SMALL_MASK, **drafter},
+        "data": {"token_budget": 128, "max_length": 64},
+        "train": {"anchors": 16, "device": "cpu"},
+    }
+
+
 SMALL = [
     "drafter.num_layers=1",
     "drafter.block_size=4",

@@ -11,32 +11,19 @@ from app.bench.rows import synthetic_row
 from app.config import validate_config
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
-from tests.helpers import REFERENCE_LAYER_WEIGHTS
+from tests.helpers import (
+    REFERENCE_LAYER_WEIGHTS,
+    SMALL_BLOCK,
+    SMALL_HIDDEN,
+    SMALL_VOCAB,
+    small_drafter_raw_config,
+)
 
-VOCAB, HIDDEN, BLOCK = 300, 64, 4
+VOCAB, HIDDEN, BLOCK = SMALL_VOCAB, SMALL_HIDDEN, SMALL_BLOCK
 
 
 def run_config(**drafter):
-    return validate_config(
-        {
-            "target": {
-                "architecture": {
-                    "model_type": "qwen3",
-                    "vocab_size": VOCAB,
-                    "hidden_size": HIDDEN,
-                    "intermediate_size": 96,
-                    "num_hidden_layers": 8,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "head_dim": 16,
-                    "rope_theta": 5000.0,
-                }
-            },
-            "drafter": {"num_layers": 2, "block_size": BLOCK, "mask_token_id": 7, **drafter},
-            "data": {"token_budget": 128, "max_length": 64},
-            "train": {"anchors": 16},
-        }
-    )
+    return validate_config(small_drafter_raw_config(**drafter))
 
 
 def frozen_head(seed=0):

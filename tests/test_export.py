@@ -17,35 +17,22 @@ from app.errors import UserError
 from app.export import export_drafter, load_exported, load_trained_drafter
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import target_text_config
-from tests.helpers import REFERENCE_LAYER_WEIGHTS, run_dflash
+from tests.helpers import (
+    REFERENCE_LAYER_WEIGHTS,
+    SMALL_BLOCK,
+    SMALL_HIDDEN,
+    SMALL_MASK,
+    SMALL_TARGET_LAYERS,
+    SMALL_VOCAB,
+    run_dflash,
+    small_drafter_raw_config,
+)
 
-VOCAB, HIDDEN, LAYERS, BLOCK, MASK = 300, 64, 8, 4, 7
-
-
-def raw_config(**drafter) -> dict:
-    return {
-        "target": {
-            "architecture": {
-                "model_type": "qwen3",
-                "vocab_size": VOCAB,
-                "hidden_size": HIDDEN,
-                "intermediate_size": 96,
-                "num_hidden_layers": LAYERS,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 16,
-                "rope_theta": 5000.0,
-                "max_position_embeddings": 2048,
-            }
-        },
-        "drafter": {"num_layers": 2, "block_size": BLOCK, "mask_token_id": MASK, **drafter},
-        "data": {"token_budget": 128, "max_length": 64},
-        "train": {"anchors": 16, "device": "cpu"},
-    }
+VOCAB, HIDDEN, LAYERS, BLOCK, MASK = SMALL_VOCAB, SMALL_HIDDEN, SMALL_TARGET_LAYERS, SMALL_BLOCK, SMALL_MASK
 
 
 def build(seed: int = 0, **drafter):
-    config = validate_config(raw_config(**drafter))
+    config = validate_config(small_drafter_raw_config(**drafter))
     target = target_text_config(config.target)
     return DFlashDrafter(DrafterArch.from_config(config, target), seed=seed), target
 
@@ -192,7 +179,7 @@ def test_load_exported_names_what_is_wrong(tmp_path: Path) -> None:
 def make_run_dir(root: Path, drafter: DFlashDrafter, step: int = 7) -> Path:
     """A run directory as the trainer leaves it: the resolved config as JSON and one checkpoint."""
     run_dir = root / "run"
-    config = validate_config(raw_config())
+    config = validate_config(small_drafter_raw_config())
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
     save_checkpoint(run_dir, step, drafter.state_dict(), {}, {"cpu": torch.get_rng_state()}, {}, keep_last=2)
@@ -210,7 +197,12 @@ def test_trained_drafter_loads_from_a_run_or_a_checkpoint_directory(tmp_path: Pa
     with pytest.raises(UserError, match="expected a run directory"):
         load_trained_drafter(tmp_path)
     (run_dir / "config.json").write_text(
-        json.dumps({**raw_config(), "drafter": {**raw_config()["drafter"], "num_layers": 3}})
+        json.dumps(
+            {
+                **small_drafter_raw_config(),
+                "drafter": {**small_drafter_raw_config()["drafter"], "num_layers": 3},
+            }
+        )
     )
     with pytest.raises(
         UserError, match=r"weights do not match the run config's drafter: missing \['layers\.2"
