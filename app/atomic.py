@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,3 +46,17 @@ def fsync_tree(directory: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_directory(staging: str | Path, target: str | Path) -> None:
+    """Rename the finished `staging` directory to `target` (same filesystem). An existing `target` is
+    set aside first and deleted after, so at every moment one complete version is in place or being
+    renamed, and a crash leaves at worst a hidden `.NAME.old.*` directory beside it."""
+    staging, target = Path(staging), Path(target)
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    os.rename(target, retired / target.name)
+    os.rename(staging, target)
+    shutil.rmtree(retired, ignore_errors=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 import warnings
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.atomic import fsync_tree, write_json_atomic, write_text_atomic
+from app.atomic import fsync_tree, replace_directory, write_json_atomic, write_text_atomic
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -87,9 +86,7 @@ def save_checkpoint(
         files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(staging.iterdir())}
         write_json_atomic(staging / MANIFEST, {"step": step, "files": files})
         fsync_tree(staging)
-        if final.exists():  # a rerun of the same step (e.g. resumed then stopped at once) replaces it
-            shutil.rmtree(final)
-        os.rename(staging, final)
+        replace_directory(staging, final)  # a rerun of the same step (resumed, then stopped at once)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

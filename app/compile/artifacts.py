@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.atomic import fsync_tree
+from app.atomic import fsync_tree, replace_directory
 from app.compile.key import KeyFields
 from app.errors import UserError
 
@@ -165,7 +165,7 @@ def write_entry(
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
         fsync_tree(staging)
-        _replace_directory(staging, cache_dir / key)
+        replace_directory(staging, cache_dir / key)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -200,13 +200,3 @@ def copy_triton_files(entry: CacheEntry, triton_dir: Path) -> None:
             shutil.copy2(source, destination)
 
     shutil.copytree(entry.triton_path, triton_dir, copy_function=copy_if_absent, dirs_exist_ok=True)
-
-
-def _replace_directory(new: Path, target: Path) -> None:
-    if not target.exists():
-        os.replace(new, target)
-        return
-    retired = target.with_name(f".{target.name}.old-{os.getpid()}")
-    os.replace(target, retired)
-    os.replace(new, target)
-    shutil.rmtree(retired, ignore_errors=True)

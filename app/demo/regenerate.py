@@ -7,8 +7,6 @@ so the target generates in this process. The output has the same shape as datage
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from app.atomic import replace_directory
 
 
 @torch.no_grad()
@@ -65,6 +65,5 @@ def _write_shard(records: list[list[dict[str, str]]], out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     pq.write_table(pa.table({"messages": records}), staging / "shard-00000.parquet")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.rename(staging, out_dir)
+    replace_directory(staging, out_dir)
     return out_dir

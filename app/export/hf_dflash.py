@@ -22,7 +22,6 @@ What the loaders read, checked against SGLang's `dflash_utils`/`models/dflash.py
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
-from app.atomic import fsync_tree
+from app.atomic import fsync_tree, replace_directory
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
 
@@ -120,7 +119,7 @@ def export_drafter(
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, staging / WEIGHTS_FILE, metadata={"format": "pt"})
         fsync_tree(staging)
-        _move_into_place(staging, out_dir)
+        replace_directory(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
@@ -240,14 +239,3 @@ def _is_export(directory: Path) -> bool:
         return json.loads((directory / CONFIG_FILE).read_text()).get("architectures") == [ARCHITECTURE]
     except (OSError, json.JSONDecodeError, AttributeError):
         return False
-
-
-def _move_into_place(staging: Path, out_dir: Path) -> None:
-    """Rename the finished export into place; an earlier export is set aside first, then deleted."""
-    if not out_dir.exists():
-        os.rename(staging, out_dir)
-        return
-    previous = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
-    os.rename(out_dir, previous / out_dir.name)
-    os.rename(staging, out_dir)
-    shutil.rmtree(previous, ignore_errors=True)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from app.atomic import replace_directory
 from app.config.schema import BUILTIN_TARGETS
 from app.model.tiny_tokenizer import build_tokenizer, corpus_paragraphs
 from app.paths import cache_root as dflash_cache_root
@@ -110,8 +109,7 @@ def _build(directory: Path, progress: Callable[[str], None]) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.rename(staging, directory)
+    replace_directory(staging, directory)
 
 
 def _corpus_hash() -> str:

@@ -7,14 +7,13 @@ into place when verified, exactly like a locally written checkpoint.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.atomic import fsync_tree, write_text_atomic
+from app.atomic import fsync_tree, replace_directory, write_text_atomic
 from app.checkpoint.store import (
     LATEST,
     CheckpointWarning,
@@ -90,9 +89,7 @@ def _restore_checkpoint(remote: RemoteRun, name: str, root: Path) -> tuple[int, 
             return None
         fsync_tree(staging)
         final = root / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(staging, final)
+        replace_directory(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return int(manifest["step"]), final
