@@ -101,7 +101,7 @@ def measure_stages(config: RunConfig) -> dict[str, Any]:
 def time_run_batches_forward(config: RunConfig, target: TargetModel, device: torch.device) -> float:
     """Mean seconds of the target forward over the first `TARGET_STAGE_BATCHES` batches of the run's
     epoch 0 plan: the pipeline's target ranks see these shapes and this padding, not a full batch."""
-    from app.compile.warmup import synchronize
+    from app.compile.warmup import time_target_forwards
     from app.data.batching import BatchPlanner, collate
     from app.data.tokenize import pad_token_id
     from app.train.setup import load_run_data, load_tokenizer
@@ -113,13 +113,7 @@ def time_run_batches_forward(config: RunConfig, target: TargetModel, device: tor
         collate(train_data, sample_ids, pad_token_id(tokenizer)).input_ids.to(device)
         for sample_ids in plan[:TARGET_STAGE_BATCHES]
     ]
-    target.features(batches[0])
-    synchronize(device)
-    started = time.perf_counter()
-    for input_ids in batches:
-        target.features(input_ids)
-    synchronize(device)
-    return (time.perf_counter() - started) / len(batches)
+    return time_target_forwards(target, batches, device)
 
 
 def read_train_records(path: Path) -> list[dict[str, Any]]:

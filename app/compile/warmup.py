@@ -145,14 +145,19 @@ def time_target_forward(
     config: RunConfig, target: TargetModel, device: torch.device, repeats: int = 3
 ) -> float:
     """Seconds per target forward over a full batch (`token_budget // max_length` rows of `max_length`)."""
-    input_ids = _target_batch(config, target, device)
-    target.features(input_ids)
+    return time_target_forwards(target, [_target_batch(config, target, device)] * repeats, device)
+
+
+def time_target_forwards(target: TargetModel, batches: list[torch.Tensor], device: torch.device) -> float:
+    """Mean seconds of the target forward over `batches` (`[b, L]` token ids on `device`), after one
+    untimed forward of the first."""
+    target.features(batches[0])
     synchronize(device)
     started = time.perf_counter()
-    for _ in range(repeats):
+    for input_ids in batches:
         target.features(input_ids)
     synchronize(device)
-    return (time.perf_counter() - started) / repeats
+    return (time.perf_counter() - started) / len(batches)
 
 
 def uses_library_triton_kernels(target: TargetModel) -> bool:
