@@ -27,8 +27,14 @@ from app.compile.artifacts import (
     read_entry,
     write_entry,
 )
+from app.compile.build import _emptied
 from app.compile.catalog import nearest_mismatch, survey_caches
-from app.compile.environment import ensure_user_and_home, resolve_inductor_dir, use_compile_dirs
+from app.compile.environment import (
+    ensure_user_and_home,
+    key_inductor_dir,
+    resolve_inductor_dir,
+    use_compile_dirs,
+)
 from app.compile.guard import (
     FX_TRACE_FLAGS,
     CompileCounters,
@@ -43,7 +49,7 @@ from app.compile.guard import (
     verify_fx_trace_flags,
 )
 from app.compile.key import MACHINE_GROUPS, cache_key, diff_fields, key_fields
-from app.compile.prepare import prepare_compiled_training, prepare_target_rank
+from app.compile.prepare import _warn_if_built_elsewhere, prepare_compiled_training, prepare_target_rank
 from app.config import load_config, validate_config
 from app.config.schema import BUILTIN_TARGETS, CompileConfig
 from app.errors import UserError
@@ -369,6 +375,36 @@ def test_inductor_dir_is_persistent_and_writable(monkeypatch, tmp_path):
     dirs = use_compile_dirs(tmp_path / "inductor")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     assert dirs.triton == Path("/before")  # an explicit, persistent TRITON_CACHE_DIR is kept
+
+
+def test_each_key_builds_and_starts_in_its_own_inductor_dir(built, tmp_path):
+    """Inductor looks for a kernel's tuned launch config beside the source path pickled at build
+    time, so build and start share one path per key, and the build starts from an empty one."""
+    config = CompileConfig(inductor_dir="/srv/dflash/inductor")  # resolving creates nothing
+    assert key_inductor_dir(config, built.entry.key) == Path("/srv/dflash/inductor") / built.entry.key
+    key_dir = tmp_path / "inductor" / built.entry.key
+    (key_dir / "ab").mkdir(parents=True)
+    (key_dir / "ab" / "kernel.best_config").write_text("{}")  # a previous run's: not cold
+    assert _emptied(key_dir) == key_dir and not key_dir.exists()
+    assert _emptied(key_dir) == key_dir  # nothing there is fine too
+
+    entry = write_entry(
+        tmp_path / "compile_cache",
+        built.entry.key,
+        built.fields,
+        b"x",
+        {},
+        None,
+        {},
+        {"inductor_dir": str(key_dir)},
+    )
+    lines: list[str] = []
+    _warn_if_built_elsewhere(entry, key_dir, lines.append)
+    _warn_if_built_elsewhere(built.entry, key_dir, lines.append)  # built before the path was recorded
+    assert lines == []
+    _warn_if_built_elsewhere(entry, tmp_path / "elsewhere" / built.entry.key, lines.append)
+    assert len(lines) == 1 and f"built in the inductor dir {key_dir}, this run uses" in lines[0]
+    assert "Build and train with the same compile.inductor_dir" in lines[0]
 
 
 def test_user_is_filled_in_when_the_container_has_none(monkeypatch):

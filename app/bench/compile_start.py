@@ -5,10 +5,11 @@
 
 Fresh processes, one after the other, each on the config's exact shapes:
 1. cold: no baked cache, an empty inductor dir (what the incident's restart looked like);
-2. build: `dflash build-cache` into DIR/compile_cache;
-3. warm: the baked cache loaded into another empty inductor dir, then `--steps` steady-state steps
-   under the fail_on_recompile stance, each on a new packed row (new documents and anchors);
-4. `--warm-starts` - 1 more warm starts (each into its own empty inductor dir): the ratio uses the
+2. build: `dflash build-cache` into DIR/compile_cache, compiling in DIR/inductor;
+3. warm: the baked cache loaded into DIR/inductor emptied (a fresh container: the path the build
+   compiled in, nothing in it), then `--steps` steady-state steps under the fail_on_recompile stance,
+   each on a new packed row (new documents and anchors);
+4. `--warm-starts` - 1 more warm starts, each into DIR/inductor emptied again: the ratio uses the
    median warm start, as single starts vary by a second or two.
 Each start process builds what the trainer builds (target, drafter, fused AdamW), calls
 `prepare_compiled_training`, and times until its first optimizer step has finished on the GPU.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -73,19 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
 def orchestrate(args: argparse.Namespace) -> None:
     workdir = args.workdir.absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    cache = workdir / "compile_cache"
-    cold = [f"compile.cache_dir={workdir / 'no_cache'}", f"compile.inductor_dir={workdir / 'inductor-cold'}"]
+    cold_inductor, inductor = workdir / "inductor-cold", workdir / "inductor"
+    cold = [f"compile.cache_dir={workdir / 'no_cache'}", f"compile.inductor_dir={cold_inductor}"]
+    baked = [f"compile.cache_dir={workdir / 'compile_cache'}", f"compile.inductor_dir={inductor}"]
     results: dict[str, Any] = {}
-    plan = [
-        ("cold", ["start", "--steps", "3"], cold),
-        ("build", ["build"], [f"compile.cache_dir={cache}"]),
-    ]
+    plan = [("cold", ["start", "--steps", "3"], cold, cold_inductor), ("build", ["build"], baked, None)]
     for name in warm_start_names(args.warm_starts):
         steps = args.steps if name == "warm" else 3
-        warm = [f"compile.cache_dir={cache}", f"compile.inductor_dir={workdir / f'inductor-{name}'}"]
-        plan.append((name, ["start", "--steps", str(steps)], warm))
-    for name, phase_args, overrides in plan:
+        plan.append((name, ["start", "--steps", str(steps)], baked, inductor))
+    for name, phase_args, overrides, emptied in plan:
         print(f"=== {name}", flush=True)
+        if emptied is not None:
+            shutil.rmtree(emptied, ignore_errors=True)
         results[name] = _child(phase_args, args.config, [*args.overrides, *overrides], workdir)
         if args.out:
             args.out.write_text(json.dumps(results, indent=2, default=str))
@@ -154,6 +155,7 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
     elapsed = time.perf_counter() - started
     return {
         "marks_s": marks,
+        "kernel_tuning_s": _kernel_tuning_s(),
         "compile": report.to_dict(),
         "steady": {
             "steps": done_steps,
@@ -164,6 +166,16 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
     }
+
+
+def _kernel_tuning_s() -> float:
+    """Seconds inductor spent benchmarking kernel launch configs in this process: near 0 on a warm
+    start whose tuned configs were found (dynamo's own timing table; internal, hence the default)."""
+    from torch._dynamo import utils
+
+    return sum(
+        getattr(utils, "compilation_time_metrics", {}).get("CachingAutotuner.benchmark_all_configs", [])
+    )
 
 
 def run_build(config_path: str, overrides: list[str]) -> dict[str, Any]:
@@ -287,6 +299,9 @@ def format_table(results: dict[str, Any]) -> str:
             for mark, at in marks.items():  # in the order the start reached them
                 phases.append(f"{mark} +{at - previous:.1f}s")
                 previous = at
+            tuning = results[name].get("kernel_tuning_s")
+            if tuning is not None:
+                phases.append(f"(of which kernel tuning {tuning:.2f}s)")
             lines.append(f"{name} start: {', '.join(phases)}")
     build = results.get("build") or {}
     if "measured" in build:

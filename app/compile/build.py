@@ -1,8 +1,9 @@
 """`dflash build-cache`: compile everything a training step compiles, at the run's shapes, and bake it.
 
 One process, main thread only (the incident's threads racing to compile flex_attention cannot happen
-here). It compiles into a fresh staging directory, so the measured compile time is a cold one and the
-baked Triton files are exactly those this build produced. The entry is written atomically under
+here). It compiles into the key's inductor dir, emptied first (the path training starts will load the
+cache into: see `key_inductor_dir`), and a fresh Triton staging dir, so the measured compile time is a
+cold one and the baked Triton files are exactly those this build produced. The entry is written atomically under
 `compile.cache_dir/<key>/`; rerunning with a matching, intact entry is a no-op.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from app.compile.artifacts import CacheEntry, CacheEntryError, find_entry, write_entry
-from app.compile.environment import ensure_user_and_home, use_compile_dirs
+from app.compile.environment import CompileDirs, ensure_user_and_home, key_inductor_dir, use_compile_dirs
 from app.compile.guard import (
     baseline_step_time,
     compiles_on,
@@ -68,10 +69,10 @@ def build_cache(config: RunConfig, *, force: bool = False, log: Log = print) -> 
 
     ensure_user_and_home()
     staging = cache_dir / f".build-{key}-{os.getpid()}"
-    dirs = use_compile_dirs(staging / "inductor", staging / "triton")
+    dirs = use_compile_dirs(_emptied(key_inductor_dir(config.compile, key)), staging / "triton")
     try:
         with _phases(log) as phase:
-            entry = _compile_and_save(config, device, key, fields, cache_dir, dirs.triton, staging, phase)
+            entry = _compile_and_save(config, device, key, fields, cache_dir, dirs, staging, phase)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"compile cache written: {entry.path} ({entry.manifest['artifacts']['bytes'] / 1e6:.1f} MB)")
@@ -84,7 +85,7 @@ def _compile_and_save(
     key: str,
     fields: dict,
     cache_dir: Path,
-    triton_dir: Path,
+    dirs: CompileDirs,
     staging: Path,
     phase: Log,
 ) -> CacheEntry:
@@ -97,7 +98,7 @@ def _compile_and_save(
         phase("target forward (JIT-compiling flash-linear-attention's Triton kernels)")
         target_warm_s = warm_target(config, target, device)
         library_triton = staging / "triton-libraries"
-        shutil.copytree(triton_dir, library_triton)
+        shutil.copytree(dirs.triton, library_triton)
 
     phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
@@ -139,10 +140,24 @@ def _compile_and_save(
         "device": torch.cuda.get_device_name(device),
         "counters": counters.to_dict(),
         "target_warm_s": target_warm_s,
+        "inductor_dir": str(dirs.inductor),
         "command": " ".join(sys.argv),
     }
     counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
     return write_entry(cache_dir, key, fields, artifacts, counts, library_triton, measured, build)
+
+
+def _emptied(directory: Path) -> Path:
+    """`directory`, removed if it exists: a build into kernels already there would not compile cold."""
+    try:
+        shutil.rmtree(directory)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        raise UserError(
+            f"build-cache: cannot empty the inductor dir {directory} ({error.strerror})"
+        ) from None
+    return directory
 
 
 def _intact_entry(cache_dir: Path, key: str, log: Log) -> CacheEntry | None:

@@ -62,6 +62,19 @@ def resolve_inductor_dir(compile_config: CompileConfig) -> Path:
     return directory
 
 
+def key_inductor_dir(compile_config: CompileConfig, key: str) -> Path:
+    """The inductor dir of one compile-cache key, `<compile.inductor_dir>/<key>`: the same path when
+    `dflash build-cache` compiles and when training starts.
+
+    It has to be the same path. Inductor pickles each statically launched Triton kernel with the
+    absolute path of its source file, and on a cache hit looks for the kernel's tuned launch config
+    beside that path. A cache compiled elsewhere (say a staging dir, gone since) makes every start
+    re-benchmark its kernels (seconds) and write their configs under the build's path, which raises
+    where that path is not writable (a baked image run as another user).
+    """
+    return resolve_inductor_dir(compile_config) / key
+
+
 def use_compile_dirs(inductor_dir: Path, triton_dir: Path | None = None) -> CompileDirs:
     """Create the directories, check they are writable and export them for torch and Triton.
 

@@ -16,7 +16,7 @@ import torch
 
 from app.compile.artifacts import CacheEntry, CacheEntryError, find_entry, load_entry
 from app.compile.catalog import nearest_mismatch
-from app.compile.environment import ensure_user_and_home, resolve_inductor_dir, use_compile_dirs
+from app.compile.environment import ensure_user_and_home, key_inductor_dir, use_compile_dirs
 from app.compile.guard import (
     CompileCacheMiss,
     CompileCounters,
@@ -95,13 +95,15 @@ def prepare_compiled_training(
         return CompileReport(compiled=False, device=str(device))
 
     ensure_user_and_home()
-    dirs = use_compile_dirs(resolve_inductor_dir(compile_config))
     fields = key_fields(config, drafter.arch, device)
-    report = CompileReport(compiled=True, device=str(device), key=cache_key(fields))
+    key = cache_key(fields)
+    report = CompileReport(compiled=True, device=str(device), key=key)
+    dirs = use_compile_dirs(key_inductor_dir(compile_config, key))
     cache_dir = Path(compile_config.cache_dir).expanduser()
     entry = _load_matching_entry(cache_dir, dirs.triton, report, on_miss=compile_config.on_cache_miss)
     if entry is not None:
         log(f"compile cache: loaded {entry.describe()} into {dirs.inductor}")
+        _warn_if_built_elsewhere(entry, dirs.inductor, log)
     elif report.problems:
         log(f"error: {report.problems[-1]}")
     else:
@@ -151,6 +153,17 @@ def _load_matching_entry(
     return entry
 
 
+def _warn_if_built_elsewhere(entry: CacheEntry, inductor_dir: Path, log: Log) -> None:
+    """The kernels' tuned launch configs are found only in the inductor dir they were built in."""
+    built_in = entry.manifest.get("build", {}).get("inductor_dir")
+    if built_in and Path(built_in) != inductor_dir:
+        log(
+            f"WARNING: compile cache {entry.key} was built in the inductor dir {built_in}, this run uses "
+            f"{inductor_dir}: every start re-tunes the kernels' launch configs (seconds) and inductor writes "
+            f"them under {built_in}. Build and train with the same compile.inductor_dir"
+        )
+
+
 def _warn_no_cache(cache_dir: Path, key: str | None, fields: dict[str, Any], log: Log) -> None:
     nearest = nearest_mismatch(cache_dir, fields)
     differs = (
@@ -176,8 +189,8 @@ def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log)
     if device.type != "cuda":
         return None
     ensure_user_and_home()
-    dirs = use_compile_dirs(resolve_inductor_dir(config.compile))
     key = cache_key(key_fields(config, DrafterArch.from_config(config), device))
+    dirs = use_compile_dirs(key_inductor_dir(config.compile, key))
     entry = find_entry(Path(config.compile.cache_dir).expanduser(), key)
     if entry is None or entry.triton_path is None:
         return None
