@@ -41,6 +41,6 @@ bench-gpu dir="runs/bench" file="configs/qwen3-8b-h200.toml":
     mkdir -p {{dir}}
     ./uvw run dflash bench drafter {{file}} --steps 10 --warmup 3 | tee {{dir}}/drafter.txt
     ./uvw run dflash bench checkpoint {{file}} --workdir {{dir}}/checkpoint | tee {{dir}}/checkpoint.txt
-    ./uvw run python -m app.bench.compile_start run {{file}} --workdir {{dir}}/compile-start --steps 300 --out {{dir}}/compile-start.json
+    ./uvw run python -m app.bench.compile_start run {{file}} --workdir {{dir}}/compile-start --steps 300 --cold-starts 3 --out {{dir}}/compile-start.json
     ./uvw run dflash bench data {{dir}}/data --conversations 1500 --mean-words 900
     ./uvw run dflash bench pipeline {{file}} topology.target_ranks=1 topology.drafter_ranks=1 topology.nproc_per_node=2 target.tokenizer={{dir}}/data/tokenizer "data.train_files=['{{dir}}/data/train.jsonl']" --steps 200 --workdir {{dir}}/pipeline --out {{dir}}/pipeline.json

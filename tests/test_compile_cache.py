@@ -22,6 +22,7 @@ from rich.console import Console
 from app.compile.artifacts import (
     ARTIFACTS,
     CacheEntryError,
+    copy_triton_host_modules,
     find_entry,
     list_entries,
     read_entry,
@@ -405,6 +406,23 @@ def test_each_key_builds_and_starts_in_its_own_inductor_dir(built, tmp_path):
     _warn_if_built_elsewhere(entry, tmp_path / "elsewhere" / built.entry.key, lines.append)
     assert len(lines) == 1 and f"built in the inductor dir {key_dir}, this run uses" in lines[0]
     assert "Build and train with the same compile.inductor_dir" in lines[0]
+
+
+def test_the_build_bakes_tritons_host_module_not_its_kernels(tmp_path):
+    triton = tmp_path / "triton"
+    for directory, name in (
+        ("HOSTHASH", "cuda_utils.cpython-312-x86_64-linux-gnu.so"),
+        ("KERNELHASH", "k.cubin"),
+    ):
+        (triton / directory).mkdir(parents=True)
+        (triton / directory / name).write_bytes(b"built")
+    (triton / "KERNELHASH" / "k.json").write_text("{}")
+    baked = tmp_path / "baked"
+    copy_triton_host_modules(triton, baked)
+    assert sorted(str(file.relative_to(baked)) for file in baked.rglob("*") if file.is_file()) == [
+        "HOSTHASH/cuda_utils.cpython-312-x86_64-linux-gnu.so"
+    ]
+    copy_triton_host_modules(triton, baked)  # into files already there (a hybrid target's snapshot)
 
 
 def test_user_is_filled_in_when_the_container_has_none(monkeypatch):

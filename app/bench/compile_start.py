@@ -1,16 +1,18 @@
 """Process start -> first optimizer step, cold (no cache) vs warm (baked cache, empty inductor dir).
 
     python -m app.bench.compile_start run CONFIG [overrides] --workdir DIR [--steps 100]
-        [--warm-starts 3] [--out FILE]
+        [--cold-starts 1] [--warm-starts 3] [--out FILE]
 
 Fresh processes, one after the other, each on the config's exact shapes:
-1. cold: no baked cache, an empty inductor dir (what the incident's restart looked like);
+1. cold: no baked cache, an empty inductor dir (what the incident's restart looked like); with
+   `--cold-starts` N, N of them (`cold`, `cold2`, ...), each into the emptied dir;
 2. build: `dflash build-cache` into DIR/compile_cache, compiling in DIR/inductor;
 3. warm: the baked cache loaded into DIR/inductor emptied (a fresh container: the path the build
    compiled in, nothing in it), then `--steps` steady-state steps under the fail_on_recompile stance,
    each on a new packed row (new documents and anchors);
-4. `--warm-starts` - 1 more warm starts, each into DIR/inductor emptied again: the ratio uses the
-   median warm start, as single starts vary by a second or two.
+4. `--warm-starts` - 1 more warm starts, each into DIR/inductor emptied again.
+The ratio is median warm / median cold: single starts vary (cold ones by 10 s and more on a 16-core
+host, with inductor's compile workers).
 Each start process builds what the trainer builds (target, drafter, fused AdamW), calls
 `prepare_compiled_training`, and times until its first optimizer step has finished on the GPU.
 Context features come from real target forwards of random tokens: one before the first step (as the
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, required=True, help="Persistent scratch dir (not under /tmp)."
     )
     parser.add_argument("--steps", type=int, default=100, help="Steady-state steps of the warm run.")
+    parser.add_argument("--cold-starts", type=int, default=1, help="Cold starts to take the median of.")
     parser.add_argument("--warm-starts", type=int, default=3, help="Warm starts to take the median of.")
     parser.add_argument("--out", type=Path, help="Also write the results as JSON here.")
     return parser
@@ -79,8 +82,12 @@ def orchestrate(args: argparse.Namespace) -> None:
     cold = [f"compile.cache_dir={workdir / 'no_cache'}", f"compile.inductor_dir={cold_inductor}"]
     baked = [f"compile.cache_dir={workdir / 'compile_cache'}", f"compile.inductor_dir={inductor}"]
     results: dict[str, Any] = {}
-    plan = [("cold", ["start", "--steps", "3"], cold, cold_inductor), ("build", ["build"], baked, None)]
-    for name in warm_start_names(args.warm_starts):
+    plan = [
+        (name, ["start", "--steps", "3"], cold, cold_inductor)
+        for name in start_names("cold", args.cold_starts)
+    ]
+    plan.append(("build", ["build"], baked, None))
+    for name in start_names("warm", args.warm_starts):
         steps = args.steps if name == "warm" else 3
         plan.append((name, ["start", "--steps", str(steps)], baked, inductor))
     for name, phase_args, overrides, emptied in plan:
@@ -93,9 +100,9 @@ def orchestrate(args: argparse.Namespace) -> None:
     print(format_table(results))
 
 
-def warm_start_names(count: int) -> list[str]:
-    """`warm` (the one with the steady-state steps), then `warm2`, `warm3`, ..."""
-    return ["warm", *(f"warm{index}" for index in range(2, count + 1))]
+def start_names(kind: str, count: int) -> list[str]:
+    """`warm` (the one with the steady-state steps), then `warm2`, `warm3`, ...; the same for `cold`."""
+    return [kind, *(f"{kind}{index}" for index in range(2, count + 1))]
 
 
 def _child(phase_args: list[str], config: str, overrides: list[str], workdir: Path) -> dict[str, Any]:
@@ -259,7 +266,7 @@ def _target_features(config: RunConfig, target: TargetModel, device: torch.devic
 
 
 def format_table(results: dict[str, Any]) -> str:
-    starts = [name for name in results if name != "build"]  # cold, warm, warm2, ... in run order
+    starts = [name for name in results if name != "build"]  # cold, cold2, ..., warm, warm2, ... in run order
     lines = [
         f"{'run':<6} {'start->1st step':>16} {'prepare':>9} {'fx hit/miss/byp':>16} {'aot hit/miss/byp':>17} "
         f"{'steady steps':>12} {'ms/step':>8} {'recompiles':>10}"
@@ -286,11 +293,13 @@ def format_table(results: dict[str, Any]) -> str:
         if "marks_s" in results[name]
     }
     warm = [seconds for name, seconds in first_step.items() if name.startswith("warm")]
-    if "cold" in first_step and warm:
-        median = statistics.median(warm)
+    cold = [seconds for name, seconds in first_step.items() if name.startswith("cold")]
+    if cold and warm:
+        warm_s, cold_s = statistics.median(warm), statistics.median(cold)
         lines.append(
-            f"warm / cold start->first step: {median / first_step['cold']:.0%} "
-            f"(median of {len(warm)} warm starts, {median:.1f}s, vs {first_step['cold']:.1f}s cold)"
+            f"warm / cold start->first step: {warm_s / cold_s:.0%} (median of {len(warm)} warm starts "
+            f"{warm_s:.1f}s, of {len(cold)} cold starts {cold_s:.1f}s; warm {min(warm):.1f}-{max(warm):.1f}s, "
+            f"cold {min(cold):.1f}-{max(cold):.1f}s)"
         )
     for name in starts:
         marks = results[name].get("marks_s")

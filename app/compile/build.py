@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from app.compile.artifacts import CacheEntry, CacheEntryError, find_entry, write_entry
+from app.compile.artifacts import (
+    CacheEntry,
+    CacheEntryError,
+    copy_triton_host_modules,
+    find_entry,
+    write_entry,
+)
 from app.compile.environment import CompileDirs, ensure_user_and_home, key_inductor_dir, use_compile_dirs
 from app.compile.guard import (
     baseline_step_time,
@@ -91,14 +97,13 @@ def _compile_and_save(
 ) -> CacheEntry:
     phase("loading the target")
     target = load_target(config, device)
-    library_triton = None
+    baked_triton = staging / "triton-baked"
     target_warm_s = None
     if uses_library_triton_kernels(target):
         # Before anything inductor compiles: the Triton dir then holds the library's kernels only.
         phase("target forward (JIT-compiling flash-linear-attention's Triton kernels)")
         target_warm_s = warm_target(config, target, device)
-        library_triton = staging / "triton-libraries"
-        shutil.copytree(dirs.triton, library_triton)
+        shutil.copytree(dirs.triton, baked_triton)
 
     phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
@@ -117,6 +122,7 @@ def _compile_and_save(
     verify_fx_trace_flags()
 
     phase("saving the cache artifacts")
+    copy_triton_host_modules(dirs.triton, baked_triton)
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         raise RuntimeError(
@@ -144,7 +150,7 @@ def _compile_and_save(
         "command": " ".join(sys.argv),
     }
     counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
-    return write_entry(cache_dir, key, fields, artifacts, counts, library_triton, measured, build)
+    return write_entry(cache_dir, key, fields, artifacts, counts, baked_triton, measured, build)
 
 
 def _emptied(directory: Path) -> Path:

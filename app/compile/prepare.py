@@ -195,5 +195,5 @@ def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log)
     if entry is None or entry.triton_path is None:
         return None
     copy_triton_files(entry, dirs.triton)
-    log(f"compile cache: Triton kernels of {entry.key} copied into {dirs.triton}")
+    log(f"compile cache: Triton files of {entry.key} copied into {dirs.triton}")
     return entry.path
