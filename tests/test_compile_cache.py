@@ -485,6 +485,29 @@ def test_doctor_lists_caches_and_why_the_others_differ(built, monkeypatch, tmp_p
     assert "machine.gpu: NVIDIA H200 (this run: cpu)" in shown
 
 
+def test_doctor_says_when_the_matching_cache_was_built_in_another_inductor_dir(built, tmp_path):
+    from app.cli.doctor_cmd import _print_compile_caches
+
+    key = cache_key(tiny_fields())
+    cache_dir = tmp_path / "compile_cache"
+    config = tiny_config(f"compile.cache_dir={cache_dir}", "compile.inductor_dir=/srv/dflash/inductor")
+    shown = {}
+    for built_in in ("/srv/elsewhere", "/srv/dflash/inductor"):
+        build = {"inductor_dir": f"{built_in}/{key}"}
+        write_entry(cache_dir, key, built.fields, b"x", {}, None, {}, build)
+        console = Console(record=True, width=300)
+        _print_compile_caches(console, config)
+        shown[built_in] = console.export_text()
+    assert f"matches: {key}" in shown["/srv/elsewhere"]
+    assert (
+        f"built in /srv/elsewhere/{key}, this config starts in /srv/dflash/inductor/{key}: every start "
+        "re-tunes its kernels" in shown["/srv/elsewhere"]
+    )
+    assert (
+        f"matches: {key}" in shown["/srv/dflash/inductor"] and "built in" not in shown["/srv/dflash/inductor"]
+    )
+
+
 def test_build_cache_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -16,8 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from app.env import Difference
+from app.errors import UserError
 
 if TYPE_CHECKING:
+    from app.compile.artifacts import CacheEntry
     from app.config.schema import RunConfig
     from app.env import Finding
 
@@ -113,6 +115,8 @@ def _print_compile_caches(console: Console, run_config: RunConfig | None) -> Non
     for status in statuses:
         if status.matches:
             console.print(f"  [green]matches[/]: {status.entry.describe()}", highlight=False)
+            if run_config is not None and key is not None:
+                _print_if_built_elsewhere(console, status.entry, run_config, key)
         else:
             console.print(f"  [yellow]differs[/]: {status.entry.describe()}", highlight=False)
             for difference in status.differences:
@@ -121,6 +125,21 @@ def _print_compile_caches(console: Console, run_config: RunConfig | None) -> Non
         console.print(f"  [red]unusable[/]: {line}", highlight=False)
     if not any(status.matches for status in statuses):
         console.print("  [yellow]no cache matches[/]: training would compile from scratch", highlight=False)
+
+
+def _print_if_built_elsewhere(console: Console, entry: CacheEntry, run_config: RunConfig, key: str) -> None:
+    from app.compile.environment import key_inductor_dir
+
+    try:
+        inductor_dir = key_inductor_dir(run_config.compile, key)
+    except UserError:
+        return  # an inductor dir under /tmp: the report above names it
+    if entry.built_in not in (None, inductor_dir):
+        console.print(
+            f"      [yellow]built in {entry.built_in}[/], this config starts in {inductor_dir}: every start "
+            "re-tunes its kernels; build with the same compile.inductor_dir",
+            highlight=False,
+        )
 
 
 def _print_report(console: Console, fingerprint: dict[str, Any], findings: list[Finding]) -> None:

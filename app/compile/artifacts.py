@@ -59,6 +59,13 @@ class CacheEntry:
         path = self.path / TRITON_DIR
         return path if path.is_dir() else None
 
+    @property
+    def built_in(self) -> Path | None:
+        """The inductor dir the build compiled in (None for entries built before it was recorded).
+        Starts find the kernels' tuned launch configs only there (see `key_inductor_dir`)."""
+        recorded = (self.manifest.get("build") or {}).get("inductor_dir")
+        return Path(recorded) if recorded else None
+
     def check_artifacts(self) -> bytes:
         """The artifact bytes, after checking them against the manifest's size and checksum."""
         expected = self.manifest["artifacts"]

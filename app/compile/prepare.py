@@ -154,13 +154,11 @@ def _load_matching_entry(
 
 
 def _warn_if_built_elsewhere(entry: CacheEntry, inductor_dir: Path, log: Log) -> None:
-    """The kernels' tuned launch configs are found only in the inductor dir they were built in."""
-    built_in = entry.manifest.get("build", {}).get("inductor_dir")
-    if built_in and Path(built_in) != inductor_dir:
+    if entry.built_in not in (None, inductor_dir):
         log(
-            f"WARNING: compile cache {entry.key} was built in the inductor dir {built_in}, this run uses "
-            f"{inductor_dir}: every start re-tunes the kernels' launch configs (seconds) and inductor writes "
-            f"them under {built_in}. Build and train with the same compile.inductor_dir"
+            f"WARNING: compile cache {entry.key} was built in the inductor dir {entry.built_in}, this run "
+            f"uses {inductor_dir}: every start re-tunes the kernels' launch configs (seconds) and inductor "
+            f"writes them under {entry.built_in}. Build and train with the same compile.inductor_dir"
         )
 
 
