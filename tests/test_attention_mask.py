@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
 
 from app.bench.rows import synthetic_row
 from app.model.attention import (
@@ -12,6 +13,7 @@ from app.model.attention import (
     training_attention,
     training_block_mask,
 )
+from app.model.attention import _training_mask_mod as training_mask_mod
 
 BLOCK = 4
 
@@ -100,6 +102,33 @@ def test_block_mask_tiles_match_brute_force(row, window):
     assert full == all_true  # full tiles skip mask_mod: they must be exactly the all-visible ones
     assert partial | full == any_true  # and no visible pair may sit in a skipped tile
     assert not partial & full
+
+
+BLOCK_MASK_TENSORS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 12])  # 12 does not divide flex's 128-wide tiles
+@pytest.mark.parametrize("window", [None, 9, 200])
+def test_block_mask_is_the_one_create_block_mask_makes_from_the_rule(row, block_size, window):
+    """Built from the rule's intervals, the BlockMask is create_block_mask's, tensor for tensor."""
+    mask_mod = training_mask_mod(row, block_size, window)
+    query_len = row.anchor_positions.shape[0] * block_size
+    key_len = row.input_ids.shape[0] + query_len
+    expected = create_block_mask(mask_mod, None, None, query_len, key_len, device="cpu")
+    built = training_block_mask(row, block_size, window)
+    assert built.seq_lengths == expected.seq_lengths and built.BLOCK_SIZE == expected.BLOCK_SIZE
+    for name in BLOCK_MASK_TENSORS:
+        assert torch.equal(getattr(built, name), getattr(expected, name)), name
+        assert getattr(built, name).dtype == torch.int32
 
 
 def qkv(query_len, key_len, generator, heads=4, kv_heads=2, head_dim=16):

@@ -14,7 +14,7 @@ def build_cache(
         bool, typer.Option("--force", help="Rebuild even when a matching, intact cache exists.")
     ] = False,
 ) -> None:
-    """Compile what a training step compiles (drafter fwd+bwd, block mask, loss) and save it to compile_cache/<key>/.
+    """Compile what a training step compiles (drafter fwd+bwd with flex_attention, loss) and save it to compile_cache/<key>/.
 
     Run once per GPU model, torch build and config shape; `dflash train` loads the matching cache at
     start and verifies it by counters. A matching cache makes this a fast no-op.

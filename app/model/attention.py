@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from app.data.batch import DrafterRow
 
@@ -78,11 +78,6 @@ def _eager_flex_attention(*args, **kwargs) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled_create_block_mask() -> Callable[..., BlockMask]:
-    require_main_thread("create_block_mask")
-    return torch.compile(create_block_mask, dynamic=False)
-
-
 def require_main_thread(what: str) -> None:
     """Compiled kernels are created on the main thread only: concurrent FX tracing broke the incident's run."""
     if threading.current_thread() is not threading.main_thread():
@@ -131,18 +126,84 @@ def dense_training_mask(row: DrafterRow, block_size: int, sliding_window: int | 
     return _training_mask_mod(row, block_size, sliding_window)(0, 0, queries, keys)
 
 
+FLEX_TILE = 128
+"""flex_attention's tile: the BlockMask marks each 128 queries x 128 keys as empty, partial or full."""
+
+
 def training_block_mask(row: DrafterRow, block_size: int, sliding_window: int | None = None) -> BlockMask:
     """The flex BlockMask of one packed row: queries `A*B` block tokens, keys `T` context + `A*B` block tokens.
 
-    On CUDA the mask is built by a compiled `create_block_mask` (one compile per window setting; the
-    row's tensors are inputs, so new rows never recompile); on CPU eagerly.
+    The same BlockMask `create_block_mask` makes from the rule, built from the rule's shape instead of
+    by evaluating it at every (query, key) pair: each query sees one interval of context (its anchor's
+    document up to the anchor, cut to the window; a row holds each document as one run, as packing
+    lays them out) and one interval of its own block. So classifying the 128x128 tiles takes a few
+    small tensor ops per row, eagerly, with nothing to compile: a compiled `create_block_mask` cost
+    every warm start about 1 s on an H200 (Dynamo tracing its vmap, its kernel's tuning), and every
+    cold start its compile.
     """
     context_len = row.input_ids.shape[0]
     query_len = row.anchor_positions.shape[0] * block_size
-    mask_mod = _training_mask_mod(row, block_size, sliding_window)
+    key_len = context_len + query_len
+    seen, full = _visible_tiles(row, block_size, sliding_window, key_len)
+    partial_tiles, full_tiles = _ordered_tiles(seen & ~full), _ordered_tiles(full)
+    return BlockMask.from_kv_blocks(
+        *partial_tiles,
+        *full_tiles,
+        BLOCK_SIZE=FLEX_TILE,
+        mask_mod=_training_mask_mod(row, block_size, sliding_window),
+        seq_lengths=(query_len, key_len),
+    )
+
+
+def _visible_tiles(
+    row: DrafterRow, block_size: int, sliding_window: int | None, key_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[query tiles, key tiles]` bools: some query of the tile sees some key of it; all see all.
+
+    Per query, what it sees is two intervals of keys: context [context_start, anchor) and its own
+    block's keys [block_start, block_end). Tiles past the last query or key are padding, as in
+    `create_block_mask`: they see nothing, so a tile holding any is never full.
+    """
+    context_len = row.input_ids.shape[0]
     device = row.input_ids.device
-    build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
-    return build(mask_mod, None, None, query_len, context_len + query_len, device=device)
+    queries = torch.arange(row.anchor_positions.shape[0] * block_size, device=device)
+    slot, offset = queries // block_size, queries % block_size
+    anchor = row.anchor_positions[slot]
+    context_start = _document_starts(row.document_ids)[anchor]
+    if sliding_window is not None:
+        context_start = torch.maximum(context_start, anchor - sliding_window)
+    block_start = context_len + slot * block_size
+    block_end = block_start + (offset + 1 if sliding_window is not None else block_size)
+
+    tile_start = torch.arange(0, key_len, FLEX_TILE, device=device)
+    tile_end = tile_start + FLEX_TILE
+    starts = torch.stack([context_start, block_start])[:, :, None]  # [interval, query, 1]
+    ends = torch.stack([anchor, block_end])[:, :, None]
+    valid = row.anchor_valid[slot][:, None]
+    sees_some = valid & (torch.maximum(starts, tile_start) < torch.minimum(ends, tile_end)).any(0)
+    sees_all = valid & ((starts <= tile_start) & (tile_end <= ends)).any(0)
+    padding = -len(queries) % FLEX_TILE
+    sees_some, sees_all = (
+        F.pad(tiles, (0, 0, 0, padding)).unflatten(0, (-1, FLEX_TILE)) for tiles in (sees_some, sees_all)
+    )
+    return sees_some.any(1), sees_all.all(1)
+
+
+def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """Per context token, the index where its document begins (documents are contiguous in a row)."""
+    positions = torch.arange(document_ids.shape[0], device=document_ids.device)
+    begins = torch.ones_like(document_ids, dtype=torch.bool)
+    begins[1:] = document_ids[1:] != document_ids[:-1]
+    return torch.where(begins, positions, 0).cummax(0).values
+
+
+def _ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[query tiles, key tiles]` bools as flex wants them: per query tile the count of marked key tiles
+    and their indices first, in order (`[1, 1, ...]` int32: batch and head broadcast)."""
+    marked = tiles.to(torch.int32)
+    counts = marked.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(marked, dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None].contiguous(), indices[None, None].contiguous()
 
 
 def _training_mask_mod(row: DrafterRow, block_size: int, sliding_window: int | None) -> Callable:
