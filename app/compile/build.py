@@ -2,9 +2,9 @@
 
 One process, main thread only (the incident's threads racing to compile flex_attention cannot happen
 here). It compiles into the key's inductor dir, emptied first (the path training starts will load the
-cache into: see `key_inductor_dir`), and a fresh Triton staging dir, so the measured compile time is a
-cold one and the baked Triton files are exactly those this build produced. The entry is written atomically under
-`compile.cache_dir/<key>/`; rerunning with a matching, intact entry is a no-op.
+cache into: see `key_inductor_dir`), and a fresh Triton staging dir, so the measured compile time is
+a cold one and the baked Triton files are exactly those this build produced. The entry is written
+atomically under `compile.cache_dir/<key>/`; rerunning with a matching, intact entry is a no-op.
 """
 
 from __future__ import annotations
