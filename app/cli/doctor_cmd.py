@@ -134,9 +134,10 @@ def _print_if_built_elsewhere(console: Console, entry: CacheEntry, run_config: R
         inductor_dir = key_inductor_dir(run_config.compile, key)
     except UserError:
         return  # an inductor dir under /tmp: the report above names it
-    if entry.built_in not in (None, inductor_dir):
+    built_in = entry.built_elsewhere(inductor_dir)
+    if built_in is not None:
         console.print(
-            f"      [yellow]built in {entry.built_in}[/], this config starts in {inductor_dir}: every start "
+            f"      [yellow]built in {built_in}[/], this config starts in {inductor_dir}: every start "
             "re-tunes its kernels; build with the same compile.inductor_dir",
             highlight=False,
         )

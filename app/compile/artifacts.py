@@ -59,12 +59,12 @@ class CacheEntry:
         path = self.path / TRITON_DIR
         return path if path.is_dir() else None
 
-    @property
-    def built_in(self) -> Path | None:
-        """The inductor dir the build compiled in (None for entries built before it was recorded).
-        Starts find the kernels' tuned launch configs only there (see `key_inductor_dir`)."""
+    def built_elsewhere(self, inductor_dir: Path) -> Path | None:
+        """The inductor dir the build compiled in, when it is not `inductor_dir` (None for entries built
+        before it was recorded). Starts find the kernels' tuned launch configs only there (see
+        `key_inductor_dir`): elsewhere they are re-tuned on every start."""
         recorded = (self.manifest.get("build") or {}).get("inductor_dir")
-        return Path(recorded) if recorded else None
+        return Path(recorded) if recorded and Path(recorded) != inductor_dir else None
 
     def check_artifacts(self) -> bytes:
         """The artifact bytes, after checking them against the manifest's size and checksum."""

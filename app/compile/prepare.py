@@ -154,11 +154,12 @@ def _load_matching_entry(
 
 
 def _warn_if_built_elsewhere(entry: CacheEntry, inductor_dir: Path, log: Log) -> None:
-    if entry.built_in not in (None, inductor_dir):
+    built_in = entry.built_elsewhere(inductor_dir)
+    if built_in is not None:
         log(
-            f"WARNING: compile cache {entry.key} was built in the inductor dir {entry.built_in}, this run "
-            f"uses {inductor_dir}: every start re-tunes the kernels' launch configs (seconds) and inductor "
-            f"writes them under {entry.built_in}. Build and train with the same compile.inductor_dir"
+            f"WARNING: compile cache {entry.key} was built in the inductor dir {built_in}, this run uses "
+            f"{inductor_dir}: every start re-tunes the kernels' launch configs (seconds) and inductor writes "
+            f"them under {built_in}. Build and train with the same compile.inductor_dir"
         )
 
 
