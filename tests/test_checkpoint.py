@@ -17,7 +17,7 @@ from app.checkpoint.store import (
     load_latest_checkpoint,
     save_checkpoint,
 )
-from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
+from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, HostSnapshot, SavedCheckpoint
 from app.errors import UserError
 
 
@@ -120,6 +120,26 @@ def test_background_write_keeps_the_state_of_the_moment_of_saving(tmp_path: Path
     assert torch.equal(loaded.model_state["fc.weight"], torch.full((256, 256), 5.0))
     assert torch.equal(loaded.optimizer_state["state"][0]["exp_avg"], torch.ones(256) * 5)
     assert writer.completed(block=True) == []  # each completed checkpoint is reported once
+
+
+def test_host_snapshot_reuses_its_buffers_and_holds_the_values_of_the_moment() -> None:
+    snapshot = HostSnapshot()
+    weights, optimizer, _, _ = live_state(1)
+    first_weights, first_optimizer = snapshot.copy((weights, optimizer))
+    weights["fc.weight"].add_(100.0)
+    assert torch.equal(first_weights["fc.weight"], torch.full((256, 256), 1.0))
+    assert first_optimizer["param_groups"] == optimizer["param_groups"]
+
+    second_weights, second_optimizer = snapshot.copy(live_state(2)[:2])
+    assert second_weights["fc.weight"] is first_weights["fc.weight"]  # same buffer, new values
+    assert second_optimizer["state"][0]["exp_avg"] is first_optimizer["state"][0]["exp_avg"]
+    assert torch.equal(second_optimizer["state"][0]["exp_avg"], torch.ones(256) * 2)
+
+    resized = {"fc.weight": torch.ones(8, 8, dtype=torch.bfloat16)}
+    (third_weights,) = snapshot.copy((resized,))
+    assert third_weights["fc.weight"].dtype == torch.bfloat16 and torch.equal(
+        third_weights["fc.weight"], resized["fc.weight"]
+    )
 
 
 def test_back_to_back_saves_are_written_in_order_and_pruned(tmp_path: Path) -> None:
