@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from app.cli.arguments import Overrides
 from app.config import load_config
 
 group = typer.Typer(help="Benchmarks at a config's exact shapes.", no_args_is_help=True)
@@ -14,7 +15,7 @@ group = typer.Typer(help="Benchmarks at a config's exact shapes.", no_args_is_he
 @group.command("drafter")
 def drafter(
     config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    overrides: Overrides = None,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Timed steps.")] = 10,
     warmup: Annotated[
         int, typer.Option("--warmup", min=1, help="Untimed steps first (the first one compiles).")
@@ -37,7 +38,7 @@ def drafter(
 @group.command("pipeline")
 def pipeline(
     config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml); its topology is what runs.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    overrides: Overrides = None,
     steps: Annotated[int, typer.Option("--steps", min=2, help="Training steps of the pipeline run.")] = 200,
     workdir: Annotated[
         str, typer.Option("--workdir", help="Where the run directory (metrics, torchrun.log) goes.")
@@ -59,7 +60,7 @@ def pipeline(
 @group.command("checkpoint")
 def checkpoint(
     config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    overrides: Overrides = None,
     workdir: Annotated[
         str, typer.Option("--workdir", help="Scratch dir on the disk checkpoints go to (emptied after).")
     ] = "runs/bench/checkpoint",

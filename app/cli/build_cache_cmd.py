@@ -6,10 +6,12 @@ from typing import Annotated
 
 import typer
 
+from app.cli.arguments import Overrides
+
 
 def build_cache(
     config: Annotated[str, typer.Argument(help="Run config (.toml or .yaml) whose shapes to compile.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    overrides: Overrides = None,
     force: Annotated[
         bool, typer.Option("--force", help="Rebuild even when a matching, intact cache exists.")
     ] = False,

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
+from app.cli.arguments import Overrides
 from app.config import RunConfig, load_config
 
 group = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
@@ -18,7 +19,7 @@ group = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
 @group.command("show")
 def show(
     config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML-like text.")] = False,
 ) -> None:
     """Print the fully resolved config (file + overrides + defaults)."""

@@ -7,12 +7,13 @@ from typing import Annotated
 
 import typer
 
+from app.cli.arguments import Overrides
 from app.config import load_config
 
 
 def datagen(
     config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml); its datagen section is used.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    overrides: Overrides = None,
 ) -> None:
     """Send every prompt to the OpenAI-compatible servers and write the target's answers as parquet shards.
 

@@ -15,6 +15,8 @@ from typing import Annotated
 
 import typer
 
+from app.cli.arguments import Overrides
+
 STOPPED_EXIT_CODE = 143
 """128 + SIGTERM: stopped by a signal after checkpointing; `--resume` continues exactly."""
 FOLLOWER_EXIT_DELAY_S = 2.0
@@ -23,7 +25,7 @@ FOLLOWER_EXIT_DELAY_S = 2.0
 
 def train(
     config: Annotated[str, typer.Argument(help="Run config (.toml or .yaml).")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")] = None,
+    overrides: Overrides = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the run directory's latest good checkpoint.")
     ] = False,
