@@ -1,4 +1,29 @@
+import os
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
+
+# Directories a fresh machine has: the system's own, nothing installed by hand (/usr/local, ~/.local,
+# pyenv, cargo). Tools found only elsewhere (a hand-installed `uv`, say) are not assumed to exist.
+SYSTEM_PATH = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+# Drivers and engines a machine provides rather than the project: the GPU driver's nvidia-smi (the GPU
+# tier) and the Docker client (the image tier installs it itself, scripts/image-smoke.sh).
+MACHINE_TOOLS = ("nvidia-smi", "docker", "docker-compose")
+
+
+def pytest_configure(config):
+    """Run the suite, and every process it starts, with the PATH of a fresh machine plus the project's
+    own venv: a test that calls a tool the project does not install fails here on every machine, not
+    only on a clean one (bare `uv` was such a tool: `./uvw` keeps it in .tools/)."""
+    original = os.environ.get("PATH", "")
+    machine = [
+        os.path.dirname(found) for tool in MACHINE_TOOLS if (found := shutil.which(tool, path=original))
+    ]
+    keep = [str(Path(sys.executable).parent), *SYSTEM_PATH, *machine]
+    os.environ["PATH"] = os.pathsep.join(dict.fromkeys(keep))
+
 
 # --- data pipeline fixtures: the tiny tokenizer, built once per session (self-contained) ---
 
@@ -25,11 +50,20 @@ def tiny_tokenizer(tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_lm_dir():
-    """The built-in `tiny-lm` target (trained once per machine, cached under ~/.cache/dflash)."""
+def tiny_lm_dir(pytestconfig):
+    """The built-in `tiny-lm` target (trained once per machine, cached under ~/.cache/dflash). Its
+    first build's progress lines reach the terminal past pytest's capture: a minute of silence on a
+    fresh machine would look like a hang."""
     from app.model.tiny_lm import ensure_tiny_lm
 
-    return ensure_tiny_lm()
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    writer = pytestconfig.get_terminal_writer()
+
+    def progress(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            writer.line(f"\n{message}")
+
+    return ensure_tiny_lm(progress=progress)
 
 
 @pytest.fixture(scope="session")

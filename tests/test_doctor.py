@@ -30,6 +30,7 @@ from app.env.gpus import parse_nvidia_smi
 from app.env.packages import installed_distributions, locked_versions, package_drift
 from app.env.project import find_project_root
 from app.errors import UserError
+from tests.helpers import run_dflash
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "uv.lock"
@@ -334,21 +335,15 @@ def test_newer_schema_is_refused(fingerprint: dict, tmp_path: Path) -> None:
 # --- the command, as a user runs it --------------------------------------------------------------
 
 
-def dflash(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["uv", "run", "--no-sync", "dflash", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-
-
 def test_cli_json_save_then_against_itself(tmp_path: Path) -> None:
     saved = tmp_path / "run"
     saved.mkdir()
-    done = dflash("doctor", "--json", "--save", str(saved))
+    done = run_dflash("doctor", "--json", "--save", str(saved))
     printed = json.loads(done.stdout)
     assert done.returncode == (1 if has_problems(printed) else 0), done.stderr
     assert load_fingerprint(saved) == printed
 
-    same = dflash("doctor", "--against", str(saved))
+    same = run_dflash("doctor", "--against", str(saved))
     assert same.returncode == 0, same.stdout + same.stderr
     assert "verdict: same training stack" in same.stdout
 
@@ -356,7 +351,7 @@ def test_cli_json_save_then_against_itself(tmp_path: Path) -> None:
 def test_cli_against_a_different_stack_exits_1(fingerprint: dict, tmp_path: Path) -> None:
     recorded = _with(fingerprint, torch__version="2.11.0+cu130", host__hostname="ct200")
     save_fingerprint(recorded, tmp_path / "old.json")
-    changed = dflash("doctor", "--json", "--against", str(tmp_path / "old.json"))
+    changed = run_dflash("doctor", "--json", "--against", str(tmp_path / "old.json"))
     assert changed.returncode == 1, changed.stderr
     report = json.loads(changed.stdout)
     assert report["breaking"] is True
@@ -369,7 +364,7 @@ def test_cli_against_a_different_stack_exits_1(fingerprint: dict, tmp_path: Path
 def test_cli_bad_fingerprint_exits_2_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "corrupt.json").write_text("{")
     for target in (tmp_path / "corrupt.json", tmp_path / "missing.json"):
-        done = dflash("doctor", "--against", str(target))
+        done = run_dflash("doctor", "--against", str(target))
         assert done.returncode == 2
         assert done.stdout == ""
         lines = done.stderr.strip().splitlines()
