@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +26,9 @@ from app.paths import cache_root as dflash_cache_root
 
 RECIPE = {"steps": 300, "batch_size": 8, "seq_len": 128, "lr": 3e-3, "warmup": 30, "seed": 1234}
 """Pre-training recipe: enough for fluent-looking, deterministic continuations on 2 CPU cores in under a minute."""
+
+PROGRESS_EVERY = 25
+"""Pre-training steps between progress lines (a few seconds on 2 cores: a build is never silent for long)."""
 
 PROMPT_WORDS = 8
 """A chat sample's user turn is the first PROMPT_WORDS words of a paragraph; the assistant continues it."""
@@ -55,7 +59,10 @@ def tiny_lm_dir(cache_root: Path | None = None) -> Path:
 
 
 def ensure_tiny_lm(cache_root: Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
-    """Return the built-in target's directory (HF model + tokenizer), training it first if needed."""
+    """Return the built-in target's directory (HF model + tokenizer), training it first if needed.
+
+    A build reports on `progress` (default: standard error) before it starts and every
+    PROGRESS_EVERY steps, so a first run on a new machine is never mistaken for a hang."""
     directory = tiny_lm_dir(cache_root)
     if (directory / "config.json").is_file():
         return directory
@@ -63,11 +70,20 @@ def ensure_tiny_lm(cache_root: Path | None = None, progress: Callable[[str], Non
     with open(directory.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same model
         if not (directory / "config.json").is_file():
-            _build(directory, progress or (lambda message: None))
+            _build(directory, progress or _print_to_stderr)
     return directory
 
 
+def _print_to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _build(directory: Path, progress: Callable[[str], None]) -> None:
+    steps = RECIPE["steps"]
+    progress(
+        f"tiny-lm: building the built-in target once for this machine ({steps} pre-training steps, about "
+        f"a minute on 2 cores), cached in {directory}"
+    )
     paragraphs = corpus_paragraphs()
     architecture = BUILTIN_TARGETS["tiny-lm"]
     tokenizer = build_tokenizer(architecture["vocab_size"], paragraphs)
@@ -79,7 +95,7 @@ def _build(directory: Path, progress: Callable[[str], None]) -> None:
     model = Qwen3ForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["lr"], weight_decay=0.01, betas=(0.9, 0.95))
     generator = torch.Generator().manual_seed(RECIPE["seed"])
-    steps, seq_len, batch_size = RECIPE["steps"], RECIPE["seq_len"], RECIPE["batch_size"]
+    seq_len, batch_size = RECIPE["seq_len"], RECIPE["batch_size"]
     started = time.monotonic()
     model.train()
     for step in range(steps):
@@ -97,7 +113,7 @@ def _build(directory: Path, progress: Callable[[str], None]) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 100 == 0 or step == steps - 1:
+        if (step + 1) % PROGRESS_EVERY == 0 or step == 0:
             progress(
                 f"tiny-lm pre-training: step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f}s)"
             )
