@@ -271,3 +271,44 @@ def test_bench_drafter_runs_on_cpu_with_the_tiny_config():
         "first call",
     ):
         assert field in result.output, field
+
+
+def embedded_ids(embed_tokens: nn.Embedding, call) -> list[torch.Tensor]:
+    """The token ids `call()` passes through the target embedding, one tensor per embedding call."""
+    seen: list[torch.Tensor] = []
+    handle = embed_tokens.register_forward_hook(lambda module, args, output: seen.append(args[0].clone()))
+    try:
+        call()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_a_block_is_its_anchor_then_mask_tokens_in_training_and_inference(sliding_setup):
+    drafter, embed_tokens, lm_head, row, features = sliding_setup
+    mask = drafter.arch.mask_token_id
+    (training,) = embedded_ids(embed_tokens, lambda: drafter(features, row, embed_tokens))
+    assert torch.equal(training[:, 0], row.input_ids[row.anchor_positions])
+    assert (training[:, 1:] == mask).all()
+
+    anchor = 42
+    (inference,) = embedded_ids(
+        embed_tokens, lambda: drafter.draft_logits(drafter.new_cache(), anchor, 0, embed_tokens, lm_head)
+    )
+    assert inference.tolist() == [[anchor] + [mask] * (BLOCK - 1)]
+
+
+def test_the_mask_token_id_changes_what_the_drafter_sees(sliding_setup):
+    drafter, embed_tokens, lm_head, row, features = sliding_setup
+    other = DFlashDrafter(replace(drafter.arch, mask_token_id=drafter.arch.mask_token_id + 1))
+    other.load_state_dict(drafter.state_dict())
+    valid = row.anchor_valid
+    with torch.no_grad():
+        assert not torch.allclose(
+            other(features, row, embed_tokens)[valid], drafter(features, row, embed_tokens)[valid]
+        )
+        cache = drafter.new_cache()
+        assert not torch.allclose(
+            other.draft_logits(cache, 42, 0, embed_tokens, lm_head),
+            drafter.draft_logits(cache, 42, 0, embed_tokens, lm_head),
+        )

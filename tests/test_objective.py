@@ -12,7 +12,10 @@ from torch.utils._pytree import tree_flatten
 from app.bench.rows import synthetic_row
 from app.config import default_gamma, validate_config
 from app.config.schema import TrainConfig
-from app.data.batch import FeatureBatch
+from app.data.batch import FeatureBatch, TargetBatch
+from app.data.formats import Conversation
+from app.data.packing import anchor_candidates, pack_row
+from app.data.tokenize import ChatTokenizer
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import (
     block_labels,
@@ -62,6 +65,39 @@ def test_block_labels_follow_the_rule():
     assert torch.equal(supervised, expected_supervised)
     assert torch.equal(labels, expected_labels)
     assert not supervised[~row.anchor_valid].any()
+
+
+def test_block_labels_skip_the_user_turn_inside_a_multi_turn_document(tiny_tokenizer):
+    """A block anchored near the end of the first answer runs into the next user turn: those tokens are
+    in the anchor's document but unsupervised, so they carry no label; the second answer's do."""
+    words = " ".join(["the", "tensor", "is", "a", "matrix"] * 3)
+    messages = [
+        {"role": "user", "content": "what is a tensor"},
+        {"role": "assistant", "content": words},
+        {"role": "user", "content": "and then"},
+        {"role": "assistant", "content": words},
+    ]
+    sample = ChatTokenizer(tiny_tokenizer, max_length=512).tokenize(Conversation(messages=messages))
+    length = len(sample.input_ids)
+    batch = TargetBatch(
+        input_ids=torch.tensor([sample.input_ids]),
+        attention_mask=torch.ones(1, length, dtype=torch.int64),
+        loss_mask=torch.tensor([sample.loss_mask]),
+        sample_ids=torch.tensor([0]),
+    )
+    row = pack_row(batch, token_budget=length + 8, anchors=1, pad_token_id=0, seed=0, epoch=0, index=0)
+    row.anchor_positions = anchor_candidates(row.document_ids, row.loss_mask)  # every possible block
+    row.anchor_valid = torch.ones(len(row.anchor_positions), dtype=torch.bool)
+    gap = length // 2  # a block long enough to cross the user turn between the answers
+    labels, supervised = block_labels(row, gap)
+    expected_labels, expected_supervised = reference_labels(row, gap)
+    assert torch.equal(supervised, expected_supervised) and torch.equal(labels, expected_labels)
+    index = row.anchor_positions[:, None] + torch.arange(1, gap)
+    inside = index < length
+    in_gap = inside & ~row.loss_mask[index.clamp(max=length - 1)]
+    assert in_gap.any() and not supervised[in_gap].any()  # the user turn: same document, no labels
+    after_gap = in_gap.int().cummax(dim=1).values.bool() & ~in_gap & inside
+    assert supervised[after_gap].any()  # the second answer, past the gap, is supervised again
 
 
 def test_slot_weights_decay_from_the_first_predicted_slot():
