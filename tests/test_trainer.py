@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ from app.checkpoint.store import checkpoint_root, complete_checkpoints
 from app.checkpoint.writer import CheckpointWriteError
 from app.config import load_config
 from app.errors import UserError
+from app.model.objective import drafter_loss
 from app.train.trainer import Trainer, TrainingStopped
 from tests.helpers import StopAtStep, small_config
 
@@ -126,6 +128,46 @@ def test_empty_dataset_is_refused_before_any_model_loads(tiny_tokenizer_dir, tmp
     )
     with pytest.raises(UserError, match=r"short\.jsonl"):
         Trainer(load_config(config_file), log=quiet)
+
+
+def test_grad_accum_applies_the_mean_of_the_micro_batch_gradients(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """grad_accum=2: the one optimizer step sees the mean of the two micro-batches' own gradients
+    (not their sum, not the last one alone). No clipping, so the gradient reaches the step as computed."""
+    config = small_config(
+        tiny_conversations, tmp_path, "train.max_steps=1", "train.grad_accum=2", "train.grad_clip=1e9"
+    )
+    trainer = Trainer(config, log=quiet)
+    initial = copy.deepcopy(trainer.drafter)
+    stepped: dict[str, torch.Tensor] = {}
+    trainer.optimizer.register_step_pre_hook(
+        lambda optimizer, args, kwargs: stepped.update(
+            {name: p.grad.clone() for name, p in trainer.drafter.named_parameters()}
+        )
+    )
+    trained: list = []
+    train_step = trainer.train_step
+    trainer.train_step = lambda batches: (trained.append(batches), train_step(batches))[1]
+    trainer.run()
+
+    (batches,) = trained
+    assert len(batches.micro) == 2 and all(item.planned is not None for item in batches.micro)
+    micro_gradients = []
+    for item in batches.micro:
+        initial.zero_grad(set_to_none=True)
+        drafter_loss(
+            initial,
+            item.features,
+            trainer.heads.embed_tokens,
+            trainer.heads.lm_head,
+            gamma=trainer.gamma,
+            chunk_size=config.train.loss_chunk_size,
+        ).loss.backward()
+        micro_gradients.append({name: p.grad.clone() for name, p in initial.named_parameters()})
+    assert stepped.keys() == micro_gradients[0].keys()
+    for name, gradient in stepped.items():
+        torch.testing.assert_close(gradient, (micro_gradients[0][name] + micro_gradients[1][name]) / 2)
 
 
 def test_golden_loss_curve(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
