@@ -4,6 +4,9 @@ background from a host copy of the state."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,8 @@ from app.checkpoint.store import (
 )
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, HostSnapshot, SavedCheckpoint
 from app.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def save(run_dir: Path, step: int, keep_last: int = 3) -> Path:
@@ -83,6 +88,35 @@ def test_failed_write_leaves_no_partial_checkpoint(tmp_path: Path) -> None:
     root = checkpoint_root(tmp_path)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
     assert load_latest_checkpoint(tmp_path).step == 1
+
+
+KILLED_MIDWAY = """
+import os, signal, sys, torch
+from app.checkpoint.store import save_checkpoint
+
+class KilledMidway:  # pickled after model.safetensors is written: the process dies mid-checkpoint
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+save_checkpoint(sys.argv[1], 2, {"w": torch.ones(1)}, {"state": KilledMidway()}, {}, {}, keep_last=3)
+"""
+
+
+def test_a_write_killed_midway_leaves_the_previous_checkpoint_latest(tmp_path: Path) -> None:
+    """SIGKILL in the middle of step 2's write: no step_00000002 exists (not even partial), step 1 stays
+    latest and loads, and the next write clears what the killed writer left hidden."""
+    save(tmp_path, 1)
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_MIDWAY, str(tmp_path)], cwd=ROOT, capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    root = checkpoint_root(tmp_path)
+    assert not (root / "step_00000002").exists()
+    assert (root / "latest").read_text() == "step_00000001"
+    assert load_latest_checkpoint(tmp_path).step == 1
+    assert any(path.name.startswith(".step_00000002.") for path in root.iterdir())  # its staging
+    save(tmp_path, 3)
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step_00000001", "step_00000003"]
 
 
 def test_empty_run_dir_has_no_checkpoint(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ Layout of a run directory's `checkpoints/`:
     latest                    name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temp directory and renamed into place only when complete, so
-a crash never leaves a partial `step_*`. On load, the manifest's checksums are verified; a truncated
+a crash never leaves a partial `step_*`; the next write deletes what a killed writer left hidden. On load, the manifest's checksums are verified; a truncated
 or corrupt checkpoint is skipped with a warning and the previous good one is used. The trainer calls
 `save_checkpoint` from a background thread on a host copy of its state (`app.checkpoint.writer`).
 """
@@ -73,6 +73,7 @@ def save_checkpoint(
     """Write `step_<step>/` atomically, point `latest` at it, then prune to `keep_last` checkpoints."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_staging(root)
     final = root / f"{PREFIX}{step:08d}"
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
@@ -94,6 +95,13 @@ def save_checkpoint(
     for old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def remove_abandoned_staging(root: Path) -> None:
+    """Delete the hidden staging and set-aside directories of a writer that was killed mid-write.
+    One writer per run writes one checkpoint at a time, so any found before a write are abandoned."""
+    for path in root.glob(f".{PREFIX}*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
