@@ -1,4 +1,4 @@
-# The dflash training image: the locked training stack from uv.lock, nothing else (DESIGN.md section 6).
+# The dflash training image: the locked training stack from uv.lock, nothing else (docs/architecture.md, Containers).
 #
 #   GPU (default):  DOCKER_BUILDKIT=1 docker build -t dflash:latest \
 #                     --build-arg REVISION="$(git rev-parse HEAD)" \

@@ -19,7 +19,7 @@ BLOCK = 4
 
 
 def brute_force_mask(row, block_size, window=None):
-    """The rule of DESIGN.md section 4, one (query, key) pair at a time."""
+    """The mask rule of docs/architecture.md (DFlash model and objective), one (query, key) pair at a time."""
     context_len = row.input_ids.shape[0]
     anchors = row.anchor_positions.tolist()
     valid = row.anchor_valid.tolist()

@@ -1,4 +1,4 @@
-"""The compile cache as a build artifact (DESIGN.md section 5).
+"""The compile cache as a build artifact (docs/architecture.md, Compile cache).
 
 - `key`: what a cache is keyed on (GPU, torch/CUDA/triton, inductor settings, shapes, code, lock);
 - `artifacts`: one entry on disk, `compile_cache/<key>/` (Mega-Cache artifacts, Triton files, manifest);

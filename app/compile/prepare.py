@@ -1,8 +1,8 @@
 """Train start: load the matching baked cache, warm up on the main thread, verify, lock the kernels.
 
-The order is the point (DESIGN.md section 5): directories before anything compiles, artifacts before
-the first compiled call, warm-up on the main thread before any data thread or worker exists, counters
-right after warm-up, and only then the `fail_on_recompile` stance for the rest of the run.
+The order is the point (docs/architecture.md, Compile cache): directories before anything compiles,
+artifacts before the first compiled call, warm-up on the main thread before any data thread or worker
+exists, counters right after warm-up, and only then the `fail_on_recompile` stance for the rest of the run.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class TargetConfig(Section):
 
 
 class DrafterConfig(Section):
-    """The DFlash block-diffusion drafter (DESIGN.md section 4)."""
+    """The DFlash block-diffusion drafter (docs/architecture.md, DFlash model and objective)."""
 
     num_layers: int = Field(5, ge=1)
     """Number of drafter decoder layers (N). Also the default number of target layers K read."""
@@ -310,7 +310,7 @@ class TopologyConfig(Section):
 
 
 class CompileConfig(Section):
-    """torch.compile and the baked compile cache (DESIGN.md section 5)."""
+    """torch.compile and the baked compile cache (docs/architecture.md, Compile cache)."""
 
     mode: Literal["auto", "on", "off"] = "auto"
     """auto: compile on CUDA, eager on CPU (compiled flex backward fails on CPU). `off` on CUDA is refused."""

@@ -1,4 +1,4 @@
-"""Speculative decoding with a DFlash drafter, and its acceptance length tau (DESIGN.md section 4).
+"""Speculative decoding with a DFlash drafter and its acceptance length tau (docs/architecture.md, Data flow).
 
 The target prefills the prompt and emits its next token. Then every round:
 

@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter (DESIGN.md section 4): training forward and speculative-decoding path.
+"""The DFlash block-diffusion drafter: training forward and speculative-decoding path.
 
 The drafter reads the target's K tapped hidden states through `fc` (K*H -> H) and `hidden_norm`, then
 runs N Qwen3-style decoder layers over blocks `[anchor token, MASK x (B-1)]`. In every layer the
@@ -6,6 +6,7 @@ queries are the block's tokens and the keys/values are `[context ; block]`: the 
 projected by that layer's own k/v projections, then the block's own k/v. It has no embedding and
 no LM head: the target's frozen ones are passed in, so they never enter `parameters()`, the
 optimizer or the exported weights. Parameter names follow the reference layout the serving engines load.
+See docs/architecture.md, DFlash model and objective.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def target_text_config(target: TargetConfig) -> PretrainedConfig:
 
 
 def resolve_layer_ids(drafter: DrafterConfig, num_target_layers: int) -> list[int]:
-    """The target layers the drafter reads: configured, or spread evenly (DESIGN.md section 4)."""
+    """The target layers the drafter reads: configured, or spread evenly
+    (docs/architecture.md, DFlash model and objective)."""
     layer_ids = drafter.target_layer_ids or default_target_layer_ids(num_target_layers, drafter.num_layers)
     bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
     if bad:
