@@ -14,6 +14,10 @@ setup:
 test *args:
     ./uvw run pytest {{args}}
 
+# the GPU tier (tests marked `gpu`: compile key, warm-up and recompile stance on CUDA); CI has no GPU and skips it
+test-gpu *args:
+    ./uvw run pytest -m gpu {{args}}
+
 # lint and format check
 lint:
     ./uvw run ruff check app tests

@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-from app.config import RunConfig, load_config
+from app.config import RunConfig, load_config, validate_config
+from app.config.schema import BUILTIN_TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +97,20 @@ def small_config(data: Path, run_dir: Path, *extra: str) -> RunConfig:
     """configs/tiny.toml at the SMALL shapes, training on `data`, writing to `run_dir`."""
     overrides = [*SMALL, f"data.train_files=['{data}']", f"train.output_dir={run_dir}", *extra]
     return load_config(ROOT / "configs" / "tiny.toml", overrides)
+
+
+def random_target_config(tokenizer_dir: Path, data: Path, run_dir: Path, **train) -> RunConfig:
+    """configs/tiny.toml over a seeded random-weight target of tiny-lm's architecture: the same weights
+    on every machine (tiny-lm itself is trained on each machine, and its last bits differ between
+    CPUs), and nothing to build first. `train` sets `[train]` fields."""
+    raw = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
+    # initializer_range 0.5: logits as large as a trained model's, so the loss falls steeply and its
+    # curve is sensitive to the learning rate (at HF's default 0.02 a 1% change moves it by 1e-5)
+    architecture = {**BUILTIN_TARGETS["tiny-lm"], "initializer_range": 0.5}
+    raw["target"] = {"architecture": architecture, "tokenizer": str(tokenizer_dir)}
+    raw["data"]["train_files"] = [str(data)]
+    raw["train"].update(output_dir=str(run_dir), **train)
+    return validate_config(raw)
 
 
 def run_dflash(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -13,12 +12,11 @@ import torch
 
 from app.checkpoint.store import checkpoint_root, complete_checkpoints
 from app.checkpoint.writer import CheckpointWriteError
-from app.config import RunConfig, load_config, validate_config
-from app.config.schema import BUILTIN_TARGETS
+from app.config import load_config
 from app.errors import UserError
 from app.model.objective import drafter_loss
 from app.train.trainer import Trainer, TrainingStopped
-from tests.helpers import StopAtStep, small_config
+from tests.helpers import StopAtStep, random_target_config, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "tiny_loss_curve.json"
@@ -172,19 +170,6 @@ def test_grad_accum_applies_the_mean_of_the_micro_batch_gradients(
         torch.testing.assert_close(gradient, (micro_gradients[0][name] + micro_gradients[1][name]) / 2)
 
 
-def golden_config(tiny_tokenizer_dir: Path, data: Path, run_dir: Path) -> RunConfig:
-    """configs/tiny.toml over a random-weight target of tiny-lm's architecture (seeded, so the same on
-    every machine: tiny-lm itself is trained on each machine, and its last bits differ between CPUs)."""
-    raw = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
-    # initializer_range 0.5: logits as large as a trained model's, so the loss falls steeply and the
-    # curve is sensitive to the learning rate (at HF's default 0.02 a 1% change moves it by 1e-5)
-    architecture = {**BUILTIN_TARGETS["tiny-lm"], "initializer_range": 0.5}
-    raw["target"] = {"architecture": architecture, "tokenizer": str(tiny_tokenizer_dir)}
-    raw["data"]["train_files"] = [str(data)]
-    raw["train"].update(output_dir=str(run_dir), max_steps=20, eval_every=0)
-    return validate_config(raw)
-
-
 def test_golden_loss_curve(tiny_tokenizer_dir, tiny_conversations, tmp_path: Path) -> None:
     """The first 20 steps of configs/tiny.toml (on the fixture data) stay on the recorded curve, within
     0.1%: a 1% change of the learning rate moves most steps by 0.2-2%.
@@ -192,7 +177,9 @@ def test_golden_loss_curve(tiny_tokenizer_dir, tiny_conversations, tmp_path: Pat
     Regenerate after an intended change of the model, objective or data path with
     `DFLASH_UPDATE_GOLDEN=1 pytest tests/test_trainer.py -k golden`.
     """
-    config = golden_config(tiny_tokenizer_dir, tiny_conversations, tmp_path)
+    config = random_target_config(
+        tiny_tokenizer_dir, tiny_conversations, tmp_path, max_steps=20, eval_every=0
+    )
     losses = Trainer(config, log=quiet).run().losses
     if GOLDEN.exists() and not _updating():
         golden = json.loads(GOLDEN.read_text())["losses"]

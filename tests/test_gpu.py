@@ -1,0 +1,88 @@
+"""The GPU tier: what exists only on CUDA. CI has no GPU and deselects it; run it on a GPU machine with
+`just test-gpu` (pytest -m gpu)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.compile.guard import RecompileError, recompile_errors
+from app.compile.key import cache_key, machine_fields
+from app.compile.warmup import forward_backward, synthetic_batches
+from app.paths import cache_root
+from app.train.trainer import Trainer
+from tests.helpers import random_target_config
+
+pytestmark = pytest.mark.gpu
+
+# Two GPU models of one compute capability (9.0): a cache tuned on one is wrong for the other.
+SAME_CAPABILITY = {"NVIDIA H200": "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3": "NVIDIA H200"}
+
+
+@pytest.fixture(autouse=True)
+def a_gpu_is_required():
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tier needs a CUDA GPU (CI deselects it; run `just test-gpu` on a GPU machine)")
+    yield
+    torch.compiler.set_stance("default")  # a test's steady state must not leak into the next
+
+
+def test_the_compile_key_names_the_gpu_model_not_only_its_capability():
+    fields = machine_fields(torch.device("cuda"))
+    name = torch.cuda.get_device_name()
+    major, minor = torch.cuda.get_device_capability()
+    assert fields["machine.gpu"] == name
+    assert fields["machine.compute_capability"] == f"{major}.{minor}"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    key = cache_key(fields)
+    assert key.startswith(f"{slug}-sm{major}{minor}-"), key
+    sibling = SAME_CAPABILITY.get(name, "NVIDIA H200")
+    assert cache_key({**fields, "machine.gpu": sibling}) != key
+
+
+@pytest.fixture
+def kernels_dir():
+    """A scratch directory outside /tmp (the compile cache refuses /tmp, where cleanups delete kernels)."""
+    root = cache_root() / "tests"
+    root.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="gpu-tier-", dir=root))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_training_compiles_once_then_a_new_shape_is_refused(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, kernels_dir: Path
+) -> None:
+    """A CUDA run compiles the drafter at warm-up, trains its steps without a recompile (one would
+    raise), and stays in the fail_on_recompile stance: another row shape is an error, not a compile."""
+    config = random_target_config(
+        tiny_tokenizer_dir,
+        tiny_conversations,
+        tmp_path / "run",
+        device="cuda",
+        precision="bf16",
+        max_steps=6,
+        eval_every=0,
+    )
+    config.compile.cache_dir = str(kernels_dir / "compile_cache")
+    config.compile.inductor_dir = str(kernels_dir / "inductor")
+    lines: list[str] = []
+    trainer = Trainer(config, log=lines.append)
+    report = trainer.compile_report
+    assert report.compiled and report.key is not None and report.key.startswith("nvidia-")
+    assert report.warmup_counters.misses > 0  # an empty cache: warm-up compiled
+    assert any(line.startswith("compile warm-up:") for line in lines)
+
+    result = trainer.run()
+    assert result.steps == 6 and all(torch.isfinite(torch.tensor(result.losses)))
+
+    other = config.model_copy(deep=True)
+    other.data.token_budget = config.data.token_budget // 2
+    (batch,) = synthetic_batches(other, trainer.drafter, trainer.device, 1)
+    with pytest.raises(RecompileError, match="recompile after warm-up"), recompile_errors():
+        forward_backward(other, trainer.drafter, trainer.heads, batch, trainer.device)
