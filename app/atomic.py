@@ -1,9 +1,15 @@
-"""Write files so that readers see the old content or the new one, never a partial file."""
+"""Write files so that readers see the old content or the new one, never a partial file.
+
+Temp files and staging directories get the modes a plain `open`/`mkdir` would give under the
+process umask, not tempfile's private 0600/0700: exports, checkpoints and status files are read by
+other users (a serving container, a teammate's `dflash status`), and a rename keeps the mode.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +22,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -34,6 +41,39 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
+def staging_directory(target: str | Path) -> Path:
+    """A new hidden directory beside `target` to build it in, then `replace_directory` it into place
+    (same filesystem, so the rename is atomic); its mode is a plain mkdir's."""
+    target = Path(target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging.chmod(0o777 & ~process_umask())
+    return staging
+
+
+def process_umask() -> int:
+    """The umask, read without setting it (os.umask sets it, racing with other threads' file creation)."""
+    try:
+        found = re.search(r"^Umask:\s+([0-7]+)$", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1), 8)
+    current = os.umask(0o022)  # no /proc (macOS): read it by setting it back at once
+    os.umask(current)
+    return current
+
+
+def _open_to_umask(tree: Path) -> None:
+    """Give every entry of `tree` the mode a plain mkdir/open gives (exec bits kept): some writers
+    (safetensors, tempfile) create private 0600 files, which other users could not read."""
+    umask = process_umask()
+    for path in [tree, *tree.rglob("*")]:
+        if path.is_symlink():
+            continue
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        path.chmod((0o777 if executable else 0o666) & ~umask)
+
+
 def fsync_tree(directory: str | Path) -> None:
     """Flush every file in `directory` and the directory itself (before renaming it into place)."""
     directory = Path(directory)
@@ -49,10 +89,12 @@ def fsync_tree(directory: str | Path) -> None:
 
 
 def replace_directory(staging: str | Path, target: str | Path) -> None:
-    """Rename the finished `staging` directory to `target` (same filesystem). An existing `target` is
-    set aside first and deleted after, so at every moment one complete version is in place or being
-    renamed, and a crash leaves at worst a hidden `.NAME.old.*` directory beside it."""
+    """Rename the finished `staging` directory to `target` (same filesystem), its entries opened to
+    the modes the umask gives. An existing `target` is set aside first and deleted after, so at
+    every moment one complete version is in place or being renamed, and a crash leaves at worst a
+    hidden `.NAME.old.*` directory beside it."""
     staging, target = Path(staging), Path(target)
+    _open_to_umask(staging)
     if not target.exists():
         os.rename(staging, target)
         return

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
-from app.atomic import replace_directory
+import pytest
+
+from app.atomic import replace_directory, staging_directory, write_json_atomic
 
 
 def staged(tmp_path: Path, content: str) -> Path:
@@ -26,3 +30,18 @@ def test_replace_directory_installs_a_new_one_and_replaces_an_old_one_leaving_no
     assert sorted(p.name for p in target.iterdir()) == ["file.txt"]  # the old directory is gone whole
     assert (target / "file.txt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or set-aside directory left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_files_and_staged_directories_get_the_modes_the_umask_gives(
+    tmp_path: Path, umask: int
+) -> None:
+    previous = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "status.json", {"state": "running"})
+        staging = staging_directory(tmp_path / "checkpoint")
+        replace_directory(staging, tmp_path / "checkpoint")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "status.json").stat().st_mode) == 0o666 & ~umask
+    assert stat.S_IMODE((tmp_path / "checkpoint").stat().st_mode) == 0o777 & ~umask

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -67,6 +69,21 @@ def test_weights_carry_exactly_the_reference_names_and_no_embedding(tmp_path: Pa
         dtypes = {weights.get_tensor(name).dtype for name in weights.keys()}  # noqa: SIM118 (not a dict)
         assert dtypes == {torch.bfloat16}  # the default export dtype
         assert weights.get_tensor("fc.weight").shape == (HIDDEN, 2 * HIDDEN)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_an_export_is_readable_as_the_umask_allows(tmp_path: Path, umask: int) -> None:
+    """A serving container runs as another user: the export gets a plain mkdir's and open's modes,
+    not the private 0700/0600 of the temp directory it was staged in."""
+    drafter, target = build()
+    previous = os.umask(umask)
+    try:
+        out = export_drafter(drafter, tmp_path / "export", target)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    for name in ("config.json", "model.safetensors"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name
 
 
 def test_config_states_every_field_the_serving_engines_read(tmp_path: Path) -> None:

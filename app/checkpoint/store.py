@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.atomic import fsync_tree, replace_directory, write_json_atomic, write_text_atomic
+from app.atomic import fsync_tree, replace_directory, staging_directory, write_json_atomic, write_text_atomic
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -75,7 +74,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     remove_abandoned_staging(root)
     final = root / f"{PREFIX}{step:08d}"
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    staging = staging_directory(final)
     try:
         save_file(
             {name: t.detach().contiguous().cpu() for name, t in model_state.items()},

@@ -17,6 +17,12 @@ def demo(
 
     Runs on CPU in a few minutes with nothing downloaded (the first run also builds the tiny target).
     """
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
     from app.demo.run import run_demo
 
+    # The demo narrates its own steps; the libraries' bars over its tiny local files are noise there.
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
     run_demo(overrides=overrides or [], prompts=prompts, log=lambda line: print(line, flush=True))

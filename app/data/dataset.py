@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ import pyarrow.parquet as pq
 from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
+from app.atomic import staging_directory
 from app.config.schema import DataConfig, RunConfig
 from app.data.formats import (
     Conversation,
@@ -180,7 +180,7 @@ def load_tokenized(
         return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
 
     root.mkdir(parents=True, exist_ok=True)
-    build = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+    build = staging_directory(root / key)
     try:
         rows, summary = _tokenize_sources(sources, chat, data, min_supervised_tokens, build, key)
         summary.cache_path = str(final)

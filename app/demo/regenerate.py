@@ -7,7 +7,6 @@ so the target generates in this process. The output has the same shape as datage
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from app.atomic import replace_directory
+from app.atomic import replace_directory, staging_directory
 
 
 @torch.no_grad()
@@ -63,7 +62,7 @@ def regenerate(
 
 def _write_shard(records: list[list[dict[str, str]]], out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging = staging_directory(out_dir)
     pq.write_table(pa.table({"messages": records}), staging / "shard-00000.parquet")
     replace_directory(staging, out_dir)
     return out_dir

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PretrainedConfig
 
-from app.atomic import fsync_tree, replace_directory
+from app.atomic import fsync_tree, replace_directory, staging_directory
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
 
@@ -113,7 +112,7 @@ def export_drafter(
     out_dir = Path(out_dir)
     _check_replaceable(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging = staging_directory(out_dir)
     try:
         config = export_config(drafter.arch, target.get_text_config(), torch_dtype)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

@@ -11,7 +11,6 @@ import fcntl
 import hashlib
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from app.atomic import replace_directory
+from app.atomic import replace_directory, staging_directory
 from app.config.schema import BUILTIN_TARGETS
 from app.model.tiny_tokenizer import build_tokenizer, corpus_paragraphs
 from app.paths import cache_root as dflash_cache_root
@@ -122,7 +121,7 @@ def _build(directory: Path, progress: Callable[[str], None]) -> None:
     # stop generation (HF generate, `transformers serve`) at the end of the assistant turn
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    staging = staging_directory(directory)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     replace_directory(staging, directory)

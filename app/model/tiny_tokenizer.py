@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import inspect
 import os
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from app.atomic import staging_directory
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # 0: padding and end of document, as in Qwen
@@ -119,7 +120,7 @@ def build_tokenizer(vocab_size: int, paragraphs: list[str]) -> PreTrainedTokeniz
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
     """Write the tokenizer into `directory` atomically (a temp dir renamed into place)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    staging = staging_directory(directory)
     tokenizer.save_pretrained(staging)
     try:
         os.rename(staging, directory)

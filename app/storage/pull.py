@@ -8,12 +8,11 @@ into place when verified, exactly like a locally written checkpoint.
 from __future__ import annotations
 
 import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.atomic import fsync_tree, replace_directory, write_text_atomic
+from app.atomic import fsync_tree, replace_directory, staging_directory, write_text_atomic
 from app.checkpoint.store import (
     LATEST,
     CheckpointWarning,
@@ -70,7 +69,7 @@ def pull_run(
 
 def _restore_checkpoint(remote: RemoteRun, name: str, root: Path) -> tuple[int, Path] | None:
     """Download `name` into a staging directory, verify it, rename it into place; None if it fails to verify."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+    staging = staging_directory(root / name)
     try:
         try:
             manifest = remote.download_checkpoint(name, staging)
