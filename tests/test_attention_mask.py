@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from app.bench.rows import synthetic_row
+from app.data.synthetic import synthetic_row
 from app.model.attention import (
     UncompiledFlexOnCudaError,
     dense_training_mask,

@@ -56,6 +56,7 @@ from app.config.schema import BUILTIN_TARGETS, CompileConfig
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import load_target
+from app.train.step import DrafterStep
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -345,7 +346,7 @@ def test_prepare_on_cpu_is_eager_and_compiles_nothing(monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/untouched")
     before = read_counters()
     lines: list[str] = []
-    report = prepare_compiled_training(config, target, drafter, "cpu", lines.append)
+    report = prepare_compiled_training(config, DrafterStep(config, drafter, target, "cpu"), lines.append)
     assert report.compiled is False and report.key is None and report.watches == []
     assert read_counters() == before and lines == []
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/untouched"
@@ -512,6 +513,7 @@ def test_build_cache_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     from app.compile.build import build_cache
+    from app.train.step import DrafterStep
 
     with pytest.raises(UserError, match="build-cache: no CUDA device visible"):
-        build_cache(tiny_config())
+        build_cache(tiny_config(), DrafterStep)

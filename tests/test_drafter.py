@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from app.bench.rows import synthetic_row
 from app.config import validate_config
+from app.data.synthetic import synthetic_row
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
 from tests.helpers import (

@@ -9,12 +9,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from app.bench.rows import synthetic_row
 from app.config import default_gamma, validate_config
 from app.config.schema import TrainConfig
 from app.data.batch import FeatureBatch, TargetBatch
 from app.data.formats import Conversation
 from app.data.packing import anchor_candidates, pack_row
+from app.data.synthetic import synthetic_row
 from app.data.tokenize import ChatTokenizer
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import (

@@ -161,7 +161,7 @@ def test_grad_accum_applies_the_mean_of_the_micro_batch_gradients(
             item.features,
             trainer.heads.embed_tokens,
             trainer.heads.lm_head,
-            gamma=trainer.gamma,
+            gamma=config.train.gamma,
             chunk_size=config.train.loss_chunk_size,
         ).loss.backward()
         micro_gradients.append({name: p.grad.clone() for name, p in initial.named_parameters()})

@@ -24,13 +24,14 @@ from app.config import RunConfig
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import target_text_config
 from app.train.setup import pick_device
+from app.train.step import build_optimizer
 
 
 def run_checkpoint_bench(config: RunConfig, workdir: Path, repeats: int) -> dict[str, Any]:
     device = pick_device(config.train.device)
     arch = DrafterArch.from_config(config, target_text_config(config.target))
     drafter = DFlashDrafter(arch, seed=config.train.seed, device=device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.train.lr, fused=device.type == "cuda")
+    optimizer = build_optimizer(drafter, config.train, device)
     for parameter in drafter.parameters():  # one step gives the optimizer its full state
         parameter.grad = torch.zeros_like(parameter)
     optimizer.step()

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     import torch
 
     from app.config import RunConfig
-    from app.model.drafter import DFlashDrafter
     from app.model.target import TargetModel
+    from app.train.step import DrafterStep
 
 SPAWNED_AT = "DFLASH_BENCH_SPAWNED_AT"
 FEATURE_POOL = 2
@@ -118,11 +118,12 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
     spawned_at = float(os.environ.get(SPAWNED_AT, time.time()))
     import torch
 
-    from app.compile.guard import RecompileError, read_counters, recompile_errors
+    from app.compile.guard import RecompileError, read_counters
     from app.compile.prepare import prepare_compiled_training
     from app.config import load_config
     from app.model.drafter import DFlashDrafter, DrafterArch
     from app.model.target import load_target
+    from app.train.step import DrafterStep
 
     marks = {"imports": time.time() - spawned_at}
     config = load_config(config_path, overrides)
@@ -133,15 +134,13 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
     torch.cuda.synchronize(device)
     marks["target_built"] = time.time() - spawned_at
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(), lr=config.train.lr, betas=config.train.betas, fused=True
-    )
+    drafter_step = DrafterStep(config, drafter, target, device)
     marks["models_built"] = time.time() - spawned_at
-    report = prepare_compiled_training(config, target, drafter, device, log=print)
+    report = prepare_compiled_training(config, drafter_step, log=print)
     marks["prepared"] = time.time() - spawned_at
     feature_pool = [_target_features(config, target, device, seed=0)]
     marks["features_ready"] = time.time() - spawned_at
-    step = _train_step(config, drafter, target, optimizer, device, recompile_errors)
+    step = _train_step(config, drafter_step)
 
     loss = step(0, feature_pool[0])
     loss.item()
@@ -189,8 +188,9 @@ def run_build(config_path: str, overrides: list[str]) -> dict[str, Any]:
     spawned_at = float(os.environ.get(SPAWNED_AT, time.time()))
     from app.compile.build import build_cache
     from app.config import load_config
+    from app.train.step import DrafterStep
 
-    result = build_cache(load_config(config_path, overrides), force=True)
+    result = build_cache(load_config(config_path, overrides), DrafterStep, force=True)
     manifest = result.entry.manifest
     return {
         "wall_s": time.time() - spawned_at,
@@ -202,50 +202,27 @@ def run_build(config_path: str, overrides: list[str]) -> dict[str, Any]:
     }
 
 
-def _train_step(
-    config: RunConfig,
-    drafter: DFlashDrafter,
-    target: TargetModel,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device,
-    recompile_errors: Callable[[], Any],
-) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """The trainer's step on a fresh synthetic row: autocast, chunked loss, backward, clip, AdamW."""
+def _train_step(config: RunConfig, drafter_step: DrafterStep) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The trainer's step on a fresh synthetic row each time (the trainer's rows differ too)."""
     import torch
 
-    from app.bench.rows import synthetic_row
-    from app.config import default_gamma
     from app.data.batch import FeatureBatch
-    from app.model.objective import drafter_loss
+    from app.data.synthetic import synthetic_row
 
-    train, arch = config.train, drafter.arch
     generator = torch.Generator().manual_seed(7)
     documents = max(1, config.data.token_budget // config.data.max_length)
+    vocab_size = drafter_step.drafter.arch.vocab_size
 
     def step(index: int, features: torch.Tensor) -> torch.Tensor:
         row = synthetic_row(
             config.data.token_budget,
-            train.anchors,
-            arch.vocab_size,
+            config.train.anchors,
+            vocab_size,
             num_documents=documents,
             generator=generator,
-        ).to(device)
-        with (
-            torch.autocast("cuda", dtype=torch.bfloat16, enabled=train.precision == "bf16"),
-            recompile_errors(),
-        ):
-            out = drafter_loss(
-                drafter,
-                FeatureBatch(row=row, features=features),
-                target.embed_tokens,
-                target.lm_head,
-                gamma=train.gamma or default_gamma(arch.block_size),
-                chunk_size=train.loss_chunk_size,
-            )
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), train.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        ).to(drafter_step.device)
+        out = drafter_step.backward(FeatureBatch(row=row, features=features))
+        drafter_step.apply(config.train.lr)
         return out.loss.detach()
 
     return step

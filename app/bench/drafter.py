@@ -20,13 +20,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from app.bench.rows import synthetic_row
 from app.compile.warmup import synchronize
-from app.config import RunConfig, default_gamma
+from app.config import RunConfig
 from app.data.batch import DrafterRow, FeatureBatch
+from app.data.synthetic import synthetic_row
 from app.model.drafter import DFlashDrafter, DrafterArch
-from app.model.objective import block_labels, drafter_loss
+from app.model.objective import block_labels
 from app.model.target import target_dtype
+from app.train.step import BorrowedHeads, DrafterStep
 
 ROWS = 3
 """Distinct synthetic rows cycled through: each step rebuilds its block mask, as in training."""
@@ -140,20 +141,11 @@ def run_drafter_bench(
     drafter = DFlashDrafter(arch, seed=config.train.seed, device=device)
     if cuda and config.compile.mode != "off":
         drafter.compile_layers()
-    autocast = cuda and config.train.precision == "bf16"
-    gamma = config.train.gamma or default_gamma(arch.block_size)
+    drafter_step = DrafterStep(config, drafter, BorrowedHeads(embed_tokens, lm_head), device)
 
     def step(row: DrafterRow) -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            output = drafter_loss(
-                drafter,
-                FeatureBatch(row=row, features=features),
-                embed_tokens,
-                lm_head,
-                gamma=gamma,
-                chunk_size=config.train.loss_chunk_size,
-            )
-        output.loss.backward()
+        """Forward, loss and backward; no optimizer step (what peers' step benchmarks time too)."""
+        drafter_step.backward(FeatureBatch(row=row, features=features))
         drafter.zero_grad(set_to_none=True)
 
     started = time.perf_counter()

@@ -73,21 +73,21 @@ def measure_stages(config: RunConfig) -> dict[str, Any]:
     """The stages process: target forward and drafter step alone, on this process's device."""
     import torch
 
-    from app.compile.guard import recompile_errors
     from app.compile.prepare import prepare_compiled_training
     from app.compile.warmup import time_training_steps
     from app.model.drafter import DFlashDrafter, DrafterArch
     from app.model.target import load_target
     from app.train.setup import pick_device
+    from app.train.step import DrafterStep
 
     device = pick_device(config.train.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     target = load_target(config, device)
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
-    report = prepare_compiled_training(config, target, drafter, device, print)
-    with recompile_errors():
-        timing = time_training_steps(config, drafter, target, device, steps=STAGE_STEPS)
+    step = DrafterStep(config, drafter, target, device)
+    report = prepare_compiled_training(config, step, print)
+    timing = time_training_steps(config, step, target, steps=STAGE_STEPS)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,

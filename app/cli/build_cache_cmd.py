@@ -23,5 +23,11 @@ def build_cache(
     """
     from app.compile.build import build_cache as build  # torch loads only for this command
     from app.config import load_config
+    from app.train.step import DrafterStep
 
-    build(load_config(config, overrides or []), force=force, log=lambda line: print(line, flush=True))
+    build(
+        load_config(config, overrides or []),
+        DrafterStep,
+        force=force,
+        log=lambda line: print(line, flush=True),
+    )

@@ -37,7 +37,13 @@ from app.compile.guard import (
     verify_fx_trace_flags,
 )
 from app.compile.key import cache_key, key_fields
-from app.compile.warmup import time_training_steps, uses_library_triton_kernels, warm_target, warm_up_drafter
+from app.compile.warmup import (
+    StepFactory,
+    time_training_steps,
+    uses_library_triton_kernels,
+    warm_target,
+    warm_up_drafter,
+)
 from app.config.schema import RunConfig
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
@@ -56,8 +62,13 @@ class BuildResult:
     """False when a matching, intact entry already existed (nothing was compiled)."""
 
 
-def build_cache(config: RunConfig, *, force: bool = False, log: Log = print) -> BuildResult:
-    """Build (or confirm) the compile cache of `config` on this machine's current CUDA device."""
+def build_cache(
+    config: RunConfig, new_step: StepFactory, *, force: bool = False, log: Log = print
+) -> BuildResult:
+    """Build (or confirm) the compile cache of `config` on this machine's current CUDA device.
+
+    `new_step` builds the training step (`app.train.step.DrafterStep`): the cache holds what that
+    step compiles, and its measured time is the run's throughput baseline."""
     if not torch.cuda.is_available():
         raise UserError(
             "build-cache: no CUDA device visible; a compile cache is built on the GPU model it is for "
@@ -78,7 +89,7 @@ def build_cache(config: RunConfig, *, force: bool = False, log: Log = print) -> 
     dirs = use_compile_dirs(_emptied(key_inductor_dir(config.compile, key)), staging / "triton")
     try:
         with _phases(log) as phase:
-            entry = _compile_and_save(config, device, key, fields, cache_dir, dirs, staging, phase)
+            entry = _compile_and_save(config, new_step, device, key, fields, cache_dir, dirs, staging, phase)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"compile cache written: {entry.path} ({entry.manifest['artifacts']['bytes'] / 1e6:.1f} MB)")
@@ -87,6 +98,7 @@ def build_cache(config: RunConfig, *, force: bool = False, log: Log = print) -> 
 
 def _compile_and_save(
     config: RunConfig,
+    new_step: StepFactory,
     device: torch.device,
     key: str,
     fields: dict,
@@ -108,14 +120,15 @@ def _compile_and_save(
     phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     drafter.compile_layers()
+    step = new_step(config, drafter, target, device)
     before = read_counters()
-    compile_s = warm_up_drafter(config, drafter, target, device)
+    compile_s = warm_up_drafter(config, step)
 
     phase(f"timing {TIMED_STEPS} optimizer steps (a recompile here fails the build)")
     enter_steady_state()
     try:
         with recompile_errors():
-            timing = time_training_steps(config, drafter, target, device, steps=TIMED_STEPS)
+            timing = time_training_steps(config, step, target, steps=TIMED_STEPS)
     finally:
         torch.compiler.set_stance("default")
     counters = read_counters() - before

@@ -29,9 +29,8 @@ from app.compile.guard import (
     verify_fx_trace_flags,
 )
 from app.compile.key import cache_key, key_fields
-from app.compile.warmup import FrozenHeads, warm_up_drafter
+from app.compile.warmup import TrainingStep, warm_up_drafter
 from app.config.schema import RunConfig
-from app.model.drafter import DFlashDrafter
 from app.telemetry.reporter import HealthWatch
 
 Log = Callable[[str], None]
@@ -76,20 +75,17 @@ class CompileReport:
         }
 
 
-def prepare_compiled_training(
-    config: RunConfig, target: FrozenHeads, drafter: DFlashDrafter, device: torch.device | str, log: Log
-) -> CompileReport:
-    """Call once, on the main thread, after building target + drafter and before the first step.
+def prepare_compiled_training(config: RunConfig, step: TrainingStep, log: Log) -> CompileReport:
+    """Call once, on the main thread, after building the training step and before the first one.
 
-    `target` is the TargetModel, or on a split drafter rank anything holding the target's frozen
-    `embed_tokens` and `lm_head`. Call it on the bare drafter, before any DDP wrapping.
+    `step` is the run's DrafterStep over the bare drafter, before any DDP wrapping.
 
     On CPU (eager) this only checks the mode and returns. On CUDA: set up the cache directories,
     load the cache whose key matches, compile the drafter's layers, warm up at the run's exact shapes,
     check the cache counters, then set the fail_on_recompile stance (wrap steps in
     `app.compile.recompile_errors()`).
     """
-    device = torch.device(device)
+    drafter, device = step.drafter, step.device
     compile_config = config.compile
     if not compiles_on(compile_config.mode, device, drafter.attention_backend):
         return CompileReport(compiled=False, device=str(device))
@@ -111,7 +107,7 @@ def prepare_compiled_training(
 
     drafter.compile_layers()
     report.counters_before = read_counters()
-    report.warmup_s = warm_up_drafter(config, drafter, target, device)
+    report.warmup_s = warm_up_drafter(config, step)
     report.counters_after = read_counters()
     verify_fx_trace_flags()
     log(f"compile warm-up: {report.warmup_s:.1f}s ({report.warmup_counters.describe()})")

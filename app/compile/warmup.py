@@ -10,28 +10,36 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import nn
 
-from app.bench.rows import synthetic_row
-from app.config import RunConfig, default_gamma
+from app.config import RunConfig
 from app.data.batch import FeatureBatch
+from app.data.synthetic import synthetic_row
 from app.model.drafter import DFlashDrafter
-from app.model.objective import drafter_loss
 from app.model.target import TargetModel, target_dtype
 
 WARMUP_SEED = 1234
 """Seed of the synthetic rows (independent of the run's seed: warm-up must not touch its RNG streams)."""
 
 
-class FrozenHeads(Protocol):
-    """What the drafter step borrows from the target: a TargetModel, or the heads a split rank received."""
+class TrainingStep(Protocol):
+    """The training step warm-up and timing run: `app.train.step.DrafterStep` (compile/ sits below
+    train/ and does not import it)."""
 
-    embed_tokens: nn.Embedding
-    lm_head: nn.Linear
+    drafter: DFlashDrafter
+    device: torch.device
+
+    def backward(self, batch: FeatureBatch) -> object: ...
+
+    def apply(self, lr: float) -> torch.Tensor: ...
+
+
+StepFactory = Callable[[RunConfig, DFlashDrafter, TargetModel, torch.device], TrainingStep]
+"""Builds the training step over a drafter and the target whose heads it borrows."""
 
 
 def synthetic_batches(
@@ -59,38 +67,14 @@ def synthetic_batches(
     return [FeatureBatch(row=row, features=features) for row in rows]
 
 
-def forward_backward(
-    config: RunConfig,
-    drafter: nn.Module,
-    heads: FrozenHeads,
-    batch: FeatureBatch,
-    device: torch.device,
-) -> None:
-    """One drafter forward + chunked loss + backward, under the trainer's autocast rule."""
-    train = config.train
-    with torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and train.precision == "bf16"
-    ):
-        out = drafter_loss(
-            drafter,
-            batch,
-            heads.embed_tokens,
-            heads.lm_head,
-            gamma=train.gamma or default_gamma(config.drafter.block_size),
-            chunk_size=train.loss_chunk_size,
-        )
-    out.loss.backward()
-
-
-def warm_up_drafter(
-    config: RunConfig, drafter: DFlashDrafter, heads: FrozenHeads, device: torch.device
-) -> float:
-    """Compile (or load) everything one training step compiles; returns the seconds it took."""
-    (batch,) = synthetic_batches(config, drafter, device, 1)
+def warm_up_drafter(config: RunConfig, step: TrainingStep) -> float:
+    """Compile (or load) everything one training step compiles; returns the seconds it took. The
+    gradients are dropped and no optimizer step runs: the training state is left as it was."""
+    (batch,) = synthetic_batches(config, step.drafter, step.device, 1)
     started = time.perf_counter()
-    forward_backward(config, drafter, heads, batch, device)
-    drafter.zero_grad(set_to_none=True)
-    synchronize(device)
+    step.backward(batch)
+    step.drafter.zero_grad(set_to_none=True)
+    synchronize(step.device)
     return time.perf_counter() - started
 
 
@@ -106,39 +90,25 @@ class StepTiming:
 
 
 def time_training_steps(
-    config: RunConfig,
-    drafter: DFlashDrafter,
-    target: TargetModel,
-    device: torch.device,
-    *,
-    steps: int,
-    warmup_steps: int = 2,
+    config: RunConfig, step: TrainingStep, target: TargetModel, *, steps: int, warmup_steps: int = 2
 ) -> StepTiming:
-    """Time full optimizer steps of a throwaway optimizer, and the target forward, at the run's shapes.
+    """Time full optimizer steps at the run's shapes (and one target forward). The step's drafter and
+    optimizer change: give it a step built for measuring only."""
+    batches = synthetic_batches(config, step.drafter, step.device, 3)
 
-    The caller's drafter weights change (optimizer steps): use a drafter built for measuring only.
-    """
-    train = config.train
-    optimizer = torch.optim.AdamW(
-        drafter.parameters(), lr=train.lr, betas=train.betas, fused=device.type == "cuda"
-    )
-    batches = synthetic_batches(config, drafter, device, 3)
-
-    def step(index: int) -> None:
-        forward_backward(config, drafter, target, batches[index % len(batches)], device)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), train.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def one(index: int) -> None:
+        step.backward(batches[index % len(batches)])
+        step.apply(config.train.lr)
 
     for index in range(warmup_steps):
-        step(index)
-    synchronize(device)
+        one(index)
+    synchronize(step.device)
     started = time.perf_counter()
     for index in range(steps):
-        step(index)
-    synchronize(device)
+        one(index)
+    synchronize(step.device)
     drafter_step_s = (time.perf_counter() - started) / steps
-    return StepTiming(drafter_step_s, time_target_forward(config, target, device), steps)
+    return StepTiming(drafter_step_s, time_target_forward(config, target, step.device), steps)
 
 
 def time_target_forward(

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from app.atomic import write_json_atomic
 from app.checkpoint.store import (
@@ -38,16 +37,15 @@ from app.checkpoint.store import (
     load_latest_checkpoint,
 )
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
-from app.compile.guard import recompile_errors
 from app.compile.prepare import prepare_compiled_training
-from app.config import RunConfig, default_gamma
+from app.config import RunConfig
 from app.data.batching import BatchPlanner, DataCursor
 from app.data.tokenize import pad_token_id
 from app.errors import UserError
 from app.evaluate.prompts import prompts_from_dataset
 from app.evaluate.speculative import evaluate_tau
 from app.model.drafter import DFlashDrafter, DrafterArch
-from app.model.objective import drafter_loss, feature_noise_std
+from app.model.objective import feature_noise_std
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import Round, RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
@@ -63,6 +61,7 @@ from app.telemetry.logline import LogLine
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
 from app.train.schedule import learning_rate
 from app.train.setup import load_run_data, load_tokenizer, pick_device, training_signal
+from app.train.step import BorrowedHeads, DrafterStep
 
 Log = Callable[[str], None]
 
@@ -111,14 +110,6 @@ class TrainResult:
     """Loss of every step this process trained, in order (golden curves, resume checks); in a
     distributed run, the mean over every drafter rank's batches of the step."""
     evals: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class BorrowedHeads:
-    """The target's frozen embedding and LM head, which the drafter uses but does not own."""
-
-    embed_tokens: nn.Embedding
-    lm_head: nn.Linear
 
 
 class Trainer:
@@ -171,14 +162,8 @@ class Trainer:
             self.heads = BorrowedHeads(self.target.embed_tokens, self.target.lm_head)
             arch = DrafterArch.from_config(config, self.target)
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(),
-            lr=config.train.lr,
-            betas=config.train.betas,
-            weight_decay=config.train.weight_decay,
-            fused=self.device.type == "cuda",
-        )
-        self.gamma = config.train.gamma or default_gamma(config.drafter.block_size)
+        self.drafter_step = DrafterStep(config, self.drafter, self.heads, self.device)
+        self.optimizer = self.drafter_step.optimizer
         self.signal = training_signal(config, layer_ids, self.tokenizer)
         self.step = 0
         self.cursor = DataCursor()
@@ -186,18 +171,16 @@ class Trainer:
         if runtime is not None:
             resumed = self._agree_on_start(runtime, resumed)
         # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
-        self.compile_report = prepare_compiled_training(
-            config, self.target or self.heads, self.drafter, self.device, log
-        )
+        self.compile_report = prepare_compiled_training(config, self.drafter_step, log)
         compile_problems = (
             ExternalEvents()
         )  # a cache miss or damaged entry: a health event on the first log line
         for problem in self.compile_report.problems:
             compile_problems.post(f"compile: {problem}")
         self.watches = [*self.watches, *self.compile_report.watches, compile_problems]
-        self.model: nn.Module = self.drafter
         if runtime is not None and runtime.layout.num_drafters > 1:
-            self.model = wrap_for_drafter_group(self.drafter, runtime)  # broadcasts rank 0's weights
+            # broadcasts rank 0's weights
+            self.drafter_step.model = wrap_for_drafter_group(self.drafter, runtime)
             if resumed:
                 broadcast_optimizer_state(self.optimizer, runtime)
         self._stop_requested = False
@@ -207,48 +190,33 @@ class Trainer:
     def train_step(self, batches: StepBatches) -> StepOutput:
         """One optimizer step over this rank's micro-batches (no host sync: metrics stay on the device).
 
-        Each micro-batch's loss is divided by their number and gradients accumulate; with DDP the
-        all-reduce runs on the last one only and averages over the drafter group. Padding batches
-        carry zero loss: alone they are skipped, with DDP they run so every rank all-reduces alike.
+        Gradients accumulate over the micro-batches (their mean); with DDP the all-reduce runs on the
+        last one only and averages over the drafter group. Padding batches carry zero loss: alone
+        they are skipped, with DDP they run so every rank all-reduces alike.
         """
-        train = self.config.train
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(self.step, self.total_steps, train)
+        step, train = self.drafter_step, self.config.train
         noise_std = feature_noise_std(train, self.step)
-        autocast = torch.autocast(
-            self.device.type,
-            dtype=torch.bfloat16,
-            enabled=self.device.type == "cuda" and train.precision == "bf16",
-        )
-        distributed = self.model is not self.drafter
+        distributed = step.model is not self.drafter
         micro = batches.micro
         sums = torch.zeros(4, device=self.device)
         for number, item in enumerate(micro):
             if item.planned is None and not distributed:
                 continue
             last = number == len(micro) - 1
-            no_sync = self.model.no_sync() if distributed and not last else nullcontext()  # type: ignore[operator]
+            no_sync = step.model.no_sync() if distributed and not last else nullcontext()  # type: ignore[operator]
             position = number * self.rounds.drafters + self._drafter_index
             with no_sync:  # DDP: forward and backward both inside, so only the last micro-batch all-reduces
-                with autocast, recompile_errors():
-                    out = drafter_loss(
-                        self.model,
-                        item.features,
-                        self.heads.embed_tokens,
-                        self.heads.lm_head,
-                        gamma=self.gamma,
-                        chunk_size=train.loss_chunk_size,
-                        noise_std=noise_std,
-                        generator=self._noise_generator(position) if noise_std > 0 else None,
-                    )
-                (out.loss / len(micro)).backward()
+                out = step.backward(
+                    item.features,
+                    micro_batches=len(micro),
+                    noise_std=noise_std,
+                    generator=self._noise_generator(position) if noise_std > 0 else None,
+                )
             if item.planned is not None:
                 sums += torch.stack(
                     [out.loss.detach().float(), out.acc.float(), out.streak.float(), sums.new_ones(())]
                 )
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), train.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = step.apply(learning_rate(self.step, self.total_steps, train))
         self.step += 1
         return StepOutput(sums, float(noise_std), grad_norm.detach(), batches.round)
 

@@ -1,0 +1,104 @@
+"""One drafter training step: the implementation the trainer, the compile warm-up, build-cache's
+baseline timing and every benchmark run, so what is measured is what trains.
+
+Built once from the run config: the loss settings (gamma, chunk size), the precision rule (bf16
+autocast on CUDA when `train.precision` is bf16), the optimizer (AdamW, fused on CUDA) and the
+gradient clip. A step is `backward` once per micro-batch, then `apply` once: gradients accumulate
+over the micro-batches, each loss divided by their number, and `apply` clips, steps and clears them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from app.compile.guard import recompile_errors
+from app.config import RunConfig
+from app.config.schema import TrainConfig
+from app.data.batch import FeatureBatch
+from app.model.drafter import DFlashDrafter
+from app.model.objective import LossOutput, drafter_loss
+
+
+class FrozenHeads(Protocol):
+    """What the drafter borrows from the target: a TargetModel, or the heads a split rank received."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+@dataclass
+class BorrowedHeads:
+    """The target's frozen embedding and LM head, held apart from the target (a split drafter rank
+    receives them; benchmarks make stand-ins)."""
+
+    embed_tokens: nn.Embedding
+    lm_head: nn.Linear
+
+
+def build_optimizer(drafter: DFlashDrafter, train: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """The drafter's AdamW (fused on CUDA: one kernel per parameter group instead of one per tensor)."""
+    return torch.optim.AdamW(
+        drafter.parameters(),
+        lr=train.lr,
+        betas=train.betas,
+        weight_decay=train.weight_decay,
+        fused=device.type == "cuda",
+    )
+
+
+class DrafterStep:
+    """Forward, chunked loss and backward of one feature batch; clip and optimizer step of the drafter."""
+
+    def __init__(self, config: RunConfig, drafter: DFlashDrafter, heads: FrozenHeads, device: torch.device):
+        self.train = config.train
+        self.drafter = drafter
+        self.model: nn.Module = drafter
+        """What the forward calls: the drafter, or its DDP wrapper once the drafter group exists."""
+        self.heads = heads
+        self.device = torch.device(device)
+        self.optimizer = build_optimizer(drafter, config.train, self.device)
+        self._bf16 = self.device.type == "cuda" and config.train.precision == "bf16"
+
+    def loss(
+        self, batch: FeatureBatch, *, noise_std: float = 0.0, generator: torch.Generator | None = None
+    ) -> LossOutput:
+        """The drafter's loss and metrics on `batch`; a recompile here raises a one-line RecompileError."""
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._bf16)
+        with autocast, recompile_errors():
+            return drafter_loss(
+                self.model,
+                batch,
+                self.heads.embed_tokens,
+                self.heads.lm_head,
+                gamma=self.train.gamma,  # None: the objective's published default for the block size
+                chunk_size=self.train.loss_chunk_size,
+                noise_std=noise_std,
+                generator=generator,
+            )
+
+    def backward(
+        self,
+        batch: FeatureBatch,
+        *,
+        micro_batches: int = 1,
+        noise_std: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> LossOutput:
+        """Accumulate the gradient of `batch`'s loss divided by `micro_batches` (their mean, once all ran)."""
+        out = self.loss(batch, noise_std=noise_std, generator=generator)
+        (out.loss / micro_batches).backward()
+        return out
+
+    def apply(self, lr: float) -> torch.Tensor:
+        """Clip the accumulated gradients, take the optimizer step at `lr`, clear them; the grad norm
+        (before clipping, on the device: reading it synchronises)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
