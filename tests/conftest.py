@@ -82,6 +82,21 @@ def tiny_conversations(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def persistent_tmp():
+    """A scratch directory outside /tmp, removed afterwards: the compile cache refuses kernel dirs under
+    /tmp (cleanups delete them there)."""
+    import tempfile
+
+    from app.paths import cache_root
+
+    root = cache_root() / "tests"
+    root.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="scratch-", dir=root))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def no_ambient_wandb_settings(monkeypatch):
     """A machine's own WANDB_* variables (CI sets WANDB_MODE) must not change what the tests see."""

@@ -354,7 +354,7 @@ def test_prepare_on_cpu_is_eager_and_compiles_nothing(monkeypatch):
     assert prepare_target_rank(config, "cpu", lines.append) is None and lines == []
 
 
-def test_inductor_dir_is_persistent_and_writable(monkeypatch, tmp_path):
+def test_inductor_dir_is_persistent_and_writable(monkeypatch, tmp_path, persistent_tmp):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("DFLASH_CACHE", raising=False)
     monkeypatch.setenv("HOME", "/home/someone")  # resolving creates nothing
@@ -372,11 +372,11 @@ def test_inductor_dir_is_persistent_and_writable(monkeypatch, tmp_path):
     if not os.access(read_only, os.W_OK):  # root writes anyway
         with pytest.raises(UserError, match="not writable"):
             use_compile_dirs(read_only / "inductor")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/before")
-    monkeypatch.setenv("TRITON_CACHE_DIR", "/before")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
     dirs = use_compile_dirs(tmp_path / "inductor")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
-    assert dirs.triton == Path("/before")  # an explicit, persistent TRITON_CACHE_DIR is kept
+    assert dirs.triton == persistent_tmp / "triton"  # an explicit, persistent TRITON_CACHE_DIR is kept
 
 
 def test_each_key_builds_and_starts_in_its_own_inductor_dir(built, tmp_path):

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,6 @@ import torch
 from app.compile.guard import RecompileError
 from app.compile.key import cache_key, machine_fields
 from app.compile.warmup import synthetic_batches
-from app.paths import cache_root
 from app.train.trainer import Trainer
 from tests.helpers import random_target_config
 
@@ -45,18 +42,8 @@ def test_the_compile_key_names_the_gpu_model_not_only_its_capability():
     assert cache_key({**fields, "machine.gpu": sibling}) != key
 
 
-@pytest.fixture
-def kernels_dir():
-    """A scratch directory outside /tmp (the compile cache refuses /tmp, where cleanups delete kernels)."""
-    root = cache_root() / "tests"
-    root.mkdir(parents=True, exist_ok=True)
-    directory = Path(tempfile.mkdtemp(prefix="gpu-tier-", dir=root))
-    yield directory
-    shutil.rmtree(directory, ignore_errors=True)
-
-
 def test_training_compiles_once_then_a_new_shape_is_refused(
-    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, kernels_dir: Path
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:
     """A CUDA run compiles the drafter at warm-up, trains its steps without a recompile (one would
     raise), and stays in the fail_on_recompile stance: another row shape is an error, not a compile."""
@@ -69,8 +56,8 @@ def test_training_compiles_once_then_a_new_shape_is_refused(
         max_steps=6,
         eval_every=0,
     )
-    config.compile.cache_dir = str(kernels_dir / "compile_cache")
-    config.compile.inductor_dir = str(kernels_dir / "inductor")
+    config.compile.cache_dir = str(persistent_tmp / "compile_cache")
+    config.compile.inductor_dir = str(persistent_tmp / "inductor")
     lines: list[str] = []
     trainer = Trainer(config, log=lines.append)
     report = trainer.compile_report
