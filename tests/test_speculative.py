@@ -19,6 +19,7 @@ from app.data.batch import TargetBatch
 from app.data.packing import pack_features, pack_row
 from app.errors import UserError
 from app.evaluate import EvalResult, evaluate_tau, prompts_from_file, speculative_generate
+from app.evaluate.evaluator import Evaluator
 from app.evaluate.speculative import _open_session
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import drafter_loss
@@ -413,3 +414,21 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
     assert "tau (mean acceptance length, max 4):" in done.stdout
     assert "target state between rounds: kv-cache" in done.stdout
     assert "acceptance histogram" in done.stdout and "    1: " in done.stdout
+
+
+def test_the_evaluator_stops_at_every_end_token_and_keeps_the_training_mode(tiny_tokenizer):
+    """The one stop rule of periodic eval, `dflash eval` and the demo: the tokenizer's end token and
+    every end token of the target's generation config (as a serving engine stops)."""
+    raw = random_target_config()
+    target, drafter = target_and_drafter(raw)
+    prompt = [5, 9, 11]
+    continuation = greedy_reference(target, prompt, 12, None)
+    target.model.generation_config.eos_token_id = [continuation[3]]
+    evaluator = Evaluator(validate_config(raw), target, tiny_tokenizer, [prompt], max_new_tokens=12)
+    stops = {continuation[3], tiny_tokenizer.eos_token_id}
+    assert set(evaluator.stop_token_ids) == stops
+    first_stop = next(index for index, token in enumerate(continuation) if token in stops)
+    drafter.train()
+    result = evaluator(drafter)
+    assert result.per_prompt[0].tokens == continuation[: first_stop + 1]
+    assert drafter.training

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from app.model.target import TargetModel
 
 
 def evaluate(
@@ -35,11 +30,10 @@ def evaluate(
     ] = None,
 ) -> None:
     """Speculative-decode held-out prompts with the target and the drafter; print tau and the histogram."""
-    import torch  # heavy imports only for this command
-
-    from app.data.dataset import load_tokenized, load_training_data
+    from app.data.dataset import load_tokenized, load_training_data  # heavy imports only for this command
     from app.errors import UserError
-    from app.evaluate import evaluate_tau, prompts_from_dataset, prompts_from_file
+    from app.evaluate import prompts_from_dataset, prompts_from_file
+    from app.evaluate.evaluator import Evaluator
     from app.export import load_trained_drafter
     from app.model.target import load_target
     from app.train.setup import load_tokenizer, pick_device
@@ -62,29 +56,10 @@ def evaluate(
 
     device = pick_device(config.train.device)
     target = load_target(config, device)
-    drafter = trained.build(target, device)
-    bf16 = device.type == "cuda" and config.train.precision == "bf16"
-    result = evaluate_tau(
-        target,
-        drafter,
-        prompt_ids,
-        max_new_tokens or config.train.eval_max_new_tokens,
-        eos_token_id=_stop_tokens(tokenizer, target),
-        autocast_dtype=torch.bfloat16 if bf16 else None,
-    )
+    evaluator = Evaluator(config, target, tokenizer, prompt_ids, max_new_tokens)
+    result = evaluator(trained.build(target, device))
     print(
         f"eval: step {trained.step} ({trained.checkpoint}) on {device}, {len(prompt_ids)} prompts", flush=True
     )
     for line in result.describe():
         print(line, flush=True)
-
-
-def _stop_tokens(tokenizer: PreTrainedTokenizerBase, target: TargetModel) -> list[int]:
-    """The tokenizer's end-of-sequence token and the target's generation-config ones."""
-    stops: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        stops.add(tokenizer.eos_token_id)
-    configured = getattr(target.model.generation_config, "eos_token_id", None)
-    if configured is not None:
-        stops.update([configured] if isinstance(configured, int) else configured)
-    return sorted(stops)

@@ -41,8 +41,6 @@ def run_demo(
     max_new_tokens: int = 48,
     log: Callable[[str], None] = print,
 ) -> DemoResult:
-    from app.evaluate.prompts import prompts_from_dataset
-    from app.evaluate.speculative import evaluate_tau
     from app.export.hf_dflash import export_drafter
     from app.train.trainer import Trainer
 
@@ -58,21 +56,14 @@ def run_demo(
     log("[3/5] tau of an untrained drafter (greedy speculative decoding on held-out prompts)")
     shutil.rmtree(config.train.output_dir, ignore_errors=True)  # the demo always trains from scratch
     trainer = Trainer(config, log=log)
-    held_out = prompts_from_dataset(trainer.eval_data, config.train.eval_prompts)
-    eos = trainer.tokenizer.eos_token_id
-    before = evaluate_tau(
-        trainer.target, trainer.drafter.eval(), held_out, config.train.eval_max_new_tokens, eos
-    )
-    trainer.drafter.train()
+    before = trainer.evaluator(trainer.drafter)
     log(f"      tau before training: {before.tau:.3f}")
 
     log(f"[4/5] training the drafter ({trainer.total_steps} steps)")
     trainer.run()
 
     log("[5/5] tau after training, and export")
-    after = evaluate_tau(
-        trainer.target, trainer.drafter.eval(), held_out, config.train.eval_max_new_tokens, eos
-    )
+    after = trainer.evaluator(trainer.drafter)
     export_dir = export_drafter(
         trainer.drafter, Path(config.train.output_dir) / "export", trainer.target.model.config
     )

@@ -16,6 +16,7 @@ for any topology.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import signal
@@ -42,8 +43,8 @@ from app.config import RunConfig
 from app.data.batching import BatchPlanner, DataCursor
 from app.data.tokenize import pad_token_id
 from app.errors import UserError
+from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
-from app.evaluate.speculative import evaluate_tau
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import feature_noise_std
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
@@ -398,31 +399,24 @@ class Trainer:
 
     # ---- eval -------------------------------------------------------------------------------------
 
-    def evaluate(self) -> dict[str, Any]:
-        """Acceptance length tau of the current drafter on held-out prompts (greedy speculative decoding)."""
+    @functools.cached_property
+    def evaluator(self) -> Evaluator:
+        """tau on `train.eval_prompts` held-out prompts (the rank must hold the target)."""
         if self.target is None:
             raise UserError("eval: this rank holds no target (split topology); use `dflash eval RUN_DIR`")
-        train = self.config.train
-        prompts = prompts_from_dataset(self.eval_data, train.eval_prompts)
-        autocast = torch.bfloat16 if self.device.type == "cuda" and train.precision == "bf16" else None
-        self.drafter.eval()
-        try:
-            result = evaluate_tau(
-                self.target,
-                self.drafter,
-                prompts,
-                train.eval_max_new_tokens,
-                self.tokenizer.eos_token_id,
-                autocast,
-            )
-        finally:
-            self.drafter.train()
+        prompts = prompts_from_dataset(self.eval_data, self.config.train.eval_prompts)
+        return Evaluator(self.config, self.target, self.tokenizer, prompts)
+
+    def evaluate(self) -> dict[str, Any]:
+        """Acceptance length tau of the current drafter on held-out prompts (greedy speculative decoding)."""
+        result = self.evaluator(self.drafter)
         record = {
             "step": self.step,
             "eval": {"tau": result.tau, "rounds": result.rounds, "generated_tokens": result.generated_tokens},
         }
         self.log(
-            f"eval step={self.step}: tau={result.tau:.3f} over {result.rounds} rounds of {len(prompts)} prompts"
+            f"eval step={self.step}: tau={result.tau:.3f} over {result.rounds} rounds of "
+            f"{len(self.evaluator.prompts)} prompts"
         )
         for reporter in self.reporters:
             reporter.on_log(record)

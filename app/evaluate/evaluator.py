@@ -1,0 +1,68 @@
+"""The one evaluator: periodic eval in the trainer, `dflash eval` and the demo all measure tau here.
+
+It fixes what makes two tau figures of one checkpoint comparable: the prompts, the token budget, the
+stop rule (the tokenizer's end token and every end token of the target's generation config, as a
+serving engine stops) and the precision (the drafter under bf16 autocast on CUDA when it trained so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from app.config import RunConfig
+from app.errors import UserError
+from app.evaluate.speculative import EvalResult, evaluate_tau
+from app.model.drafter import DFlashDrafter
+from app.model.target import TargetModel
+
+
+class Evaluator:
+    """Greedy speculative decoding of fixed prompts with the target, measuring a drafter's tau."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        target: TargetModel,
+        tokenizer: PreTrainedTokenizerBase,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int | None = None,
+    ) -> None:
+        """`max_new_tokens` None: `train.eval_max_new_tokens`."""
+        if not prompts:
+            raise UserError("eval: no prompts to evaluate")
+        self.target = target
+        self.prompts = [list(prompt) for prompt in prompts]
+        self.max_new_tokens = max_new_tokens or config.train.eval_max_new_tokens
+        self.stop_token_ids = stop_token_ids(tokenizer, target)
+        bf16 = target.device.type == "cuda" and config.train.precision == "bf16"
+        self.autocast_dtype = torch.bfloat16 if bf16 else None
+
+    def __call__(self, drafter: DFlashDrafter) -> EvalResult:
+        """tau of `drafter` (in eval mode for the decode; its training mode is restored after)."""
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            return evaluate_tau(
+                self.target,
+                drafter,
+                self.prompts,
+                self.max_new_tokens,
+                eos_token_id=self.stop_token_ids,
+                autocast_dtype=self.autocast_dtype,
+            )
+        finally:
+            drafter.train(was_training)
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, target: TargetModel) -> list[int]:
+    """The tokenizer's end-of-sequence token and the target's generation-config ones."""
+    stops: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        stops.add(tokenizer.eos_token_id)
+    configured = getattr(target.model.generation_config, "eos_token_id", None)
+    if configured is not None:
+        stops.update([configured] if isinstance(configured, int) else configured)
+    return sorted(stops)
