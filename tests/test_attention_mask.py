@@ -1,4 +1,4 @@
-"""The training mask: BlockMask and dense mask against a brute-force rule, flex against SDPA, kernel choice."""
+"""The training mask: BlockMask and dense mask against a brute-force rule, flex against SDPA (the uncompiled-on-CUDA refusal: tests/test_gpu.py)."""
 
 import pytest
 import torch
@@ -6,14 +6,13 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from app.data.synthetic import synthetic_row
+from app.model.attention import _training_mask_mod as training_mask_mod
 from app.model.attention import (
-    UncompiledFlexOnCudaError,
     dense_training_mask,
-    flex_attention_for,
+    eager_flex_attention,
     training_attention,
     training_block_mask,
 )
-from app.model.attention import _training_mask_mod as training_mask_mod
 
 BLOCK = 4
 
@@ -143,7 +142,7 @@ def test_flex_equals_sdpa_with_dense_mask(row, window):
     generator = torch.Generator().manual_seed(0)
     dense = brute_force_mask(row, BLOCK, window)
     query, key, value = qkv(*dense.shape, generator)
-    flex = flex_attention_for("cpu")(
+    flex = eager_flex_attention(
         query, key, value, block_mask=training_block_mask(row, BLOCK, window), enable_gqa=True
     )
     reference = F.scaled_dot_product_attention(query, key, value, attn_mask=dense, enable_gqa=True)
@@ -170,11 +169,3 @@ def test_rows_that_see_nothing_give_zeros_and_finite_gradients(backend):
     assert not query.grad[0, :, dead_queries].any()
     # keys of dead blocks are seen by nobody: no gradient reaches them
     assert not key.grad[0, :, 128 + 20 * BLOCK :].any()
-
-
-def test_kernel_choice_is_explicit():
-    assert flex_attention_for("cpu") is flex_attention_for(torch.device("cpu"))
-    with pytest.raises(UncompiledFlexOnCudaError, match="eager flex_attention on CUDA"):
-        flex_attention_for("cuda", compiled=False)
-    with pytest.raises(RuntimeError, match="only supported on CUDA"):
-        flex_attention_for("cpu", compiled=True)

@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.compile.apply import compile_drafter
 from app.compile.guard import RecompileError
 from app.compile.key import cache_key, machine_fields
 from app.compile.warmup import synthetic_batches
+from app.config import validate_config
+from app.model.attention import UncompiledKernelOnCudaError
+from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.objective import chunked_lm_head_ce
+from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import Trainer
-from tests.helpers import random_target_config
+from tests.helpers import random_target_config, small_drafter_raw_config
 
 pytestmark = pytest.mark.gpu
 
@@ -73,3 +79,29 @@ def test_training_compiles_once_then_a_new_shape_is_refused(
     (batch,) = synthetic_batches(other, trainer.drafter, trainer.device, 1)
     with pytest.raises(RecompileError, match="recompile after warm-up"):
         trainer.drafter_step.backward(batch)
+
+
+def test_an_uncompiled_drafter_refuses_to_train_on_cuda():
+    """No quiet eager fallback on a GPU: without `compile_drafter`, the training attention and the
+    loss's CE chunk both refuse; after it, the same step runs."""
+    config = validate_config(small_drafter_raw_config())
+    arch = DrafterArch.from_config(config)
+    drafter = DFlashDrafter(arch, device="cuda")
+    embed_tokens = torch.nn.Embedding(arch.vocab_size, arch.hidden_size, device="cuda").requires_grad_(False)
+    lm_head = torch.nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="cuda").requires_grad_(
+        False
+    )
+    step = DrafterStep(config, drafter, BorrowedHeads(embed_tokens, lm_head), torch.device("cuda"))
+    (batch,) = synthetic_batches(config, drafter, step.device, 1)
+    with pytest.raises(UncompiledKernelOnCudaError, match="flex_attention is not compiled"):
+        step.backward(batch)
+    with pytest.raises(UncompiledKernelOnCudaError, match="cross-entropy chunk is not compiled"):
+        chunked_lm_head_ce(
+            torch.zeros(2, 3, arch.hidden_size, device="cuda"),
+            lm_head,
+            torch.zeros(2, 3, dtype=torch.long, device="cuda"),
+            torch.ones(2, 3, device="cuda"),
+            chunk_size=1,
+        )
+    compile_drafter(drafter)
+    assert torch.isfinite(step.backward(batch).loss)

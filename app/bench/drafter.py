@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from app.compile.apply import compile_drafter
 from app.compile.warmup import synchronize
 from app.config import RunConfig
 from app.data.batch import DrafterRow, FeatureBatch
@@ -140,7 +141,7 @@ def run_drafter_bench(
     features = torch.randn(token_budget, arch.feature_size, device=device, dtype=frozen_dtype)
     drafter = DFlashDrafter(arch, seed=config.train.seed, device=device)
     if cuda and config.compile.mode != "off":
-        drafter.compile_layers()
+        compile_drafter(drafter)
     drafter_step = DrafterStep(config, drafter, BorrowedHeads(embed_tokens, lm_head), device)
 
     def step(row: DrafterRow) -> None:

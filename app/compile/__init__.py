@@ -1,5 +1,6 @@
 """The compile cache as a build artifact (docs/architecture.md, Compile cache).
 
+- `apply`: torch.compile applied to the drafter (layers, flex_attention, the loss's CE chunk), main thread;
 - `key`: what a cache is keyed on (GPU, torch/CUDA/triton, inductor settings, shapes, code, lock);
 - `artifacts`: one entry on disk, `compile_cache/<key>/` (Mega-Cache artifacts, Triton files, manifest);
 - `catalog`: the entries compared with this machine and run (trainer, doctor);

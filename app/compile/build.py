@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from app.compile.apply import compile_drafter
 from app.compile.artifacts import (
     CacheEntry,
     CacheEntryError,
@@ -119,7 +120,7 @@ def _compile_and_save(
 
     phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
-    drafter.compile_layers()
+    compile_drafter(drafter)
     step = new_step(config, drafter, target, device)
     before = read_counters()
     compile_s = warm_up_drafter(config, step)

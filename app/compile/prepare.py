@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from app.compile.apply import compile_drafter
 from app.compile.artifacts import CacheEntry, CacheEntryError, find_entry, load_entry
 from app.compile.catalog import nearest_mismatch
 from app.compile.environment import ensure_user_and_home, key_inductor_dir, use_compile_dirs
@@ -105,7 +106,7 @@ def prepare_compiled_training(config: RunConfig, step: TrainingStep, log: Log) -
     else:
         _warn_no_cache(cache_dir, report.key, fields, log)
 
-    drafter.compile_layers()
+    compile_drafter(drafter)
     report.counters_before = read_counters()
     report.warmup_s = warm_up_drafter(config, step)
     report.counters_after = read_counters()

@@ -1,11 +1,6 @@
 """The models: the frozen target (features), the DFlash drafter, its attention mask and objective."""
 
-from app.model.attention import (
-    UncompiledFlexOnCudaError,
-    flex_attention_for,
-    training_attention,
-    training_block_mask,
-)
+from app.model.attention import UncompiledKernelOnCudaError, training_attention, training_block_mask
 from app.model.drafter import ContextCache, DFlashDrafter, DrafterArch
 from app.model.objective import LossOutput, drafter_loss, feature_noise_std
 from app.model.target import TargetModel, load_target, target_text_config
@@ -16,10 +11,9 @@ __all__ = [
     "DrafterArch",
     "LossOutput",
     "TargetModel",
-    "UncompiledFlexOnCudaError",
+    "UncompiledKernelOnCudaError",
     "drafter_loss",
     "feature_noise_std",
-    "flex_attention_for",
     "load_target",
     "target_text_config",
     "training_attention",

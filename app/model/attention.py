@@ -1,4 +1,4 @@
-"""flex_attention for the drafter: the one place that picks the kernel, and the training block mask.
+"""The drafter's training attention: the block mask and the kernel it runs with.
 
 Queries are the `A x B` block tokens of a packed row (anchor j's block is queries j*B .. j*B+B-1);
 keys are the row's `T` context tokens followed by the same `A x B` block tokens. A query of block j
@@ -8,7 +8,8 @@ with zero gradients). Sliding-window layers also limit the context to the last `
 before the anchor and are causal inside the block.
 
 Kernels (the incident: uncompiled flex on CUDA ran 4-5x slower with volatile memory, silently):
-compiled flex_attention with a BlockMask on CUDA, always. On CPU the compiled flex backward fails
+compiled flex_attention with a BlockMask on CUDA, always; it is compiled outside the model code
+(`app.compile.apply`) and handed in, and CUDA without it is an error. On CPU the compiled flex backward fails
 (torch 2.10) and eager flex costs ~1 s per call even at the tiny demo's shapes (measured on 2 cores:
 20x SDPA), so CPU runs SDPA with the same rule evaluated as a dense boolean mask; eager flex on
 CPU stays available (`backend="flex"`) and the tests check both agree.
@@ -16,8 +17,6 @@ CPU stays available (`backend="flex"`) and the tests check both agree.
 
 from __future__ import annotations
 
-import functools
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Literal
@@ -37,69 +36,46 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Backend = Literal["flex", "dense"]
 
 
-class UncompiledFlexOnCudaError(RuntimeError):
-    """Eager flex_attention on CUDA materialises the full score matrix: a degraded run, never allowed."""
+class UncompiledKernelOnCudaError(RuntimeError):
+    """A training kernel on CUDA is not compiled: eager flex_attention materialises the full score
+    matrix (the incident's 4-5x slower, volatile-memory run), so it is refused, never run quietly."""
 
 
-def flex_attention_for(device: torch.device | str, compiled: bool | None = None) -> FlexKernel:
-    """The flex_attention kernel to use on `device`: compiled on CUDA, eager elsewhere.
-
-    `compiled=None` takes the device's default; `compiled=False` on CUDA raises (`compile.mode = "off"`
-    on a GPU is refused, not quietly slow); `compiled=True` off CUDA raises too (the compiled backward
-    fails on CPU). The compiled kernel is created once per process, on the main thread: compiling
-    flex from several threads at once is what broke the incident's run.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        if compiled is False:
-            raise UncompiledFlexOnCudaError(
-                "eager flex_attention on CUDA materialises the full score matrix (4-5x slower, volatile "
-                "memory); the drafter always uses the compiled kernel on GPUs"
-            )
-        return _compiled_flex_attention()
-    if compiled:
-        raise RuntimeError(
-            f"compiled flex_attention is only supported on CUDA (its backward fails on {device.type})"
-        )
-    return _eager_flex_attention
-
-
-@functools.cache
-def _compiled_flex_attention() -> FlexKernel:
-    require_main_thread("flex_attention")
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def _eager_flex_attention(*args, **kwargs) -> torch.Tensor:
-    # Eager flex off CUDA is intended (parity checks at tiny shapes): silence its "use torch.compile" advice.
+def eager_flex_attention(*args, **kwargs) -> torch.Tensor:
+    """flex_attention uncompiled: CPU parity checks at tiny shapes (training on CPU uses SDPA)."""
+    # Intended off CUDA: silence flex's "use torch.compile" advice.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(*args, **kwargs)
 
 
-@functools.cache
-def require_main_thread(what: str) -> None:
-    """Compiled kernels are created on the main thread only: concurrent FX tracing broke the incident's run."""
-    if threading.current_thread() is not threading.main_thread():
-        raise RuntimeError(
-            f"compiled {what} must be created on the main thread (concurrent FX tracing breaks it)"
-        )
-
-
 def training_attention(
-    row: DrafterRow, block_size: int, windows: set[int | None], backend: Backend | None = None
+    row: DrafterRow,
+    block_size: int,
+    windows: set[int | None],
+    backend: Backend | None = None,
+    flex_kernel: FlexKernel | None = None,
 ) -> dict[int | None, Attend]:
     """Per context window (None = full context), the attention of one packed row's block queries.
 
-    `backend` None picks the device's: "flex" (compiled, BlockMask) on CUDA, "dense" (SDPA with a
-    boolean mask) elsewhere. Masks are built once per row and shared by the layers using them.
+    `backend` None picks the device's: "flex" (BlockMask) on CUDA, "dense" (SDPA with a boolean mask)
+    elsewhere. `flex_kernel` is the compiled flex_attention (`app.compile.apply`); on CUDA it is
+    required, off CUDA None runs flex eagerly. Masks are built once per row and shared by the layers.
     """
     device = row.input_ids.device
     backend = backend or ("flex" if device.type == "cuda" else "dense")
     if backend == "dense":
         return {window: _dense_attend(dense_training_mask(row, block_size, window)) for window in windows}
-    kernel = flex_attention_for(device)
-    return {window: _flex_attend(kernel, training_block_mask(row, block_size, window)) for window in windows}
+    if flex_kernel is None:
+        if device.type == "cuda":
+            raise UncompiledKernelOnCudaError(
+                "flex_attention is not compiled: eager flex on CUDA materialises the full score matrix "
+                "(4-5x slower, volatile memory); compile the drafter first (app.compile.apply.compile_drafter)"
+            )
+        flex_kernel = eager_flex_attention
+    return {
+        window: _flex_attend(flex_kernel, training_block_mask(row, block_size, window)) for window in windows
+    }
 
 
 def _flex_attend(kernel: FlexKernel, block_mask: BlockMask) -> Attend:

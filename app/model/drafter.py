@@ -22,7 +22,8 @@ from transformers import PretrainedConfig
 from app.config.schema import RunConfig
 from app.data.batch import DrafterRow
 from app.errors import UserError
-from app.model.attention import Attend, Backend, training_attention
+from app.model.attention import Attend, Backend, FlexKernel, training_attention
+from app.model.objective import CeChunk
 from app.model.target import TargetModel, resolve_layer_ids, target_text_config
 
 INIT_STD = 0.02
@@ -283,6 +284,16 @@ class ContextCache:
         return self.positions.shape[0]
 
 
+@dataclass
+class CompiledKernels:
+    """Compiled kernels the drafter's training forward and loss run with; None: eager (CPU only, where
+    the compiled flex backward fails; on CUDA a missing one is an error, never a quiet slow path)."""
+
+    flex_attention: FlexKernel | None = None
+    ce_chunk: CeChunk | None = None
+    """The loss's `weighted_ce_chunk`, compiled (read by the training step, which calls the loss)."""
+
+
 class DFlashDrafter(nn.Module):
     """fc + hidden_norm, N decoder layers, final norm; embedding and LM head borrowed from the target."""
 
@@ -299,6 +310,8 @@ class DFlashDrafter(nn.Module):
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.attention_backend: Backend | None = None
         """Training attention: None = the device's (compiled flex on CUDA, dense SDPA on CPU)."""
+        self.kernels = CompiledKernels()
+        """The compiled training kernels, set from outside (`app.compile.apply.compile_drafter`)."""
         if not self.fc.weight.is_meta:
             self.reset_parameters(seed)
 
@@ -312,14 +325,6 @@ class DFlashDrafter(nn.Module):
                 module.weight.normal_(0.0, INIT_STD, generator=generator)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-
-    def compile_layers(self) -> None:
-        """torch.compile every decoder layer and norm (dynamic=False; CUDA only): fuses the norms, RoPE
-        and SwiGLU around the flex kernel. Call on the main thread, before the first step."""
-        if self.fc.weight.device.type != "cuda":
-            raise RuntimeError("compile_layers: only on CUDA (compiled flex_attention backward fails on CPU)")
-        for module in (self.hidden_norm, *self.layers, self.norm):
-            module.compile(dynamic=False)
 
     # ---- training -------------------------------------------------------------------------------
 
@@ -342,7 +347,9 @@ class DFlashDrafter(nn.Module):
         hidden = self._compute_dtype(embed_tokens(self._block_tokens(row.input_ids[row.anchor_positions])))
 
         hidden = hidden.reshape(num_anchors * block, arch.hidden_size)
-        attention = training_attention(row, block, self._windows(), self.attention_backend)
+        attention = training_attention(
+            row, block, self._windows(), self.attention_backend, self.kernels.flex_attention
+        )
         for index, layer in enumerate(self.layers):
             context_key, context_value = layer.self_attn.key_value(context, context_rope)
             hidden = layer(
@@ -370,7 +377,7 @@ class DFlashDrafter(nn.Module):
         if features.dim() != 2 or features.shape[1] != self.arch.feature_size:
             raise UserError(self._feature_shape_message(features))
         # Inference shapes change every round: call the eager forwards (`.forward`), which bypass the
-        # wrappers `compile_layers()` installs for training (they would recompile on every round).
+        # compiled wrappers `compile_drafter` installs for training (they would recompile every round).
         context = self.hidden_norm.forward(self.fc(self._compute_dtype(features)))
         rope = rotary_tables(positions, self.arch.head_dim, self.arch.rope_theta)
         first = cache.length == 0  # the first chunk fixes the cache's dtype (bf16 under autocast)

@@ -16,7 +16,7 @@ Metrics are returned as detached 0-d tensors on the training device: reading the
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,12 @@ from app.config import default_gamma
 from app.config.schema import TrainConfig
 from app.data.batch import DrafterRow, FeatureBatch
 from app.errors import UserError
-from app.model.attention import require_main_thread
+from app.model.attention import UncompiledKernelOnCudaError
+
+CeChunk = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+]
+"""`ce_chunk(logits [n, V], labels [n], weights [n]) -> (weighted CE sum, d/d logits, argmax)`."""
 
 
 @dataclass
@@ -55,13 +60,15 @@ def drafter_loss(
     chunk_size: int = 128,
     noise_std: float = 0.0,
     generator: torch.Generator | None = None,
+    ce_chunk: CeChunk | None = None,
 ) -> LossOutput:
     """Forward one feature batch through the drafter and the chunked, decayed block CE.
 
     `drafter` may be the DFlashDrafter or a DDP wrapper of it (it is called, not introspected).
     `gamma` None takes the published default for the block size; `chunk_size` is in anchors
     (`train.loss_chunk_size`); `noise_std > 0` adds N(0, noise_std^2) to the features, drawn from
-    `generator` (on the features' device) so resumed runs replay the same noise.
+    `generator` (on the features' device) so resumed runs replay the same noise; `ce_chunk` is the
+    compiled `weighted_ce_chunk` (required on CUDA, see `chunked_lm_head_ce`).
     """
     row, features = batch.row, batch.features
     block_size = _block_size(drafter)
@@ -72,7 +79,7 @@ def drafter_loss(
     labels, supervised = block_labels(row, block_size)
     weights = supervised * slot_weights(block_size, gamma or default_gamma(block_size), hidden.device)
     weights = weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
-    loss, predictions = chunked_lm_head_ce(hidden[:, 1:], lm_head, labels, weights, chunk_size)
+    loss, predictions = chunked_lm_head_ce(hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk)
     acc, streak = block_metrics(predictions, labels, supervised, row.anchor_valid)
     return LossOutput(
         loss=loss, acc=acc, streak=streak, noise=float(noise_std), supervised_tokens=supervised.sum()
@@ -123,25 +130,40 @@ def block_metrics(
 
 
 def chunked_lm_head_ce(
-    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, weights: torch.Tensor, chunk_size: int
+    hidden: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int,
+    ce_chunk: CeChunk | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(weights * CE(lm_head(hidden), labels)) and the argmax predictions, `chunk_size` anchors at a time.
 
     `hidden [A, S, H]`, `labels`/`weights [A, S]`. The LM head must be frozen: only `hidden` gets a gradient.
+    `ce_chunk` computes each chunk: the compiled `weighted_ce_chunk` (it fuses the softmax passes over
+    the vocab; `app.compile.apply`), required on CUDA; None runs it eagerly elsewhere.
     """
     if lm_head.weight.requires_grad:
         raise ValueError("chunked_lm_head_ce: the LM head must be frozen (requires_grad=False)")
     if chunk_size < 1:
         raise UserError(f"train.loss_chunk_size: must be >= 1, got {chunk_size}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, lm_head.weight, lm_head.bias, labels, weights, chunk_size)
+    if ce_chunk is None:
+        if hidden.device.type == "cuda":
+            raise UncompiledKernelOnCudaError(
+                "the loss's cross-entropy chunk is not compiled on CUDA (its vocab-sized passes run "
+                "unfused); compile the drafter first (app.compile.apply.compile_drafter)"
+            )
+        ce_chunk = weighted_ce_chunk
+    return _ChunkedLinearCrossEntropy.apply(
+        hidden, lm_head.weight, lm_head.bias, labels, weights, chunk_size, ce_chunk
+    )
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes loss, predictions and d(loss)/d(hidden) chunk by chunk; backward only scales it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size):
-        ce_chunk = _ce_chunk_kernel(hidden.device.type)
+    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, ce_chunk):
         needs_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         predictions = torch.empty(labels.shape, device=hidden.device, dtype=torch.long)
@@ -169,10 +191,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_predictions):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
 
 
-def _ce_chunk(
+def weighted_ce_chunk(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE sum, its gradient w.r.t. the logits, and the argmax, for `logits [n, V]`.
@@ -188,15 +210,6 @@ def _ce_chunk(
     grad = logits.sub_(log_normaliser[:, None]).exp_().mul_(weights[:, None])
     grad.scatter_add_(-1, labels[:, None], -weights[:, None])
     return loss, grad, predictions
-
-
-@functools.cache
-def _ce_chunk_kernel(device_type: str):
-    """Compiled on CUDA (fuses the softmax passes over the vocab); eager on CPU."""
-    if device_type == "cuda":
-        require_main_thread("cross-entropy chunk")
-        return torch.compile(_ce_chunk, dynamic=False)
-    return _ce_chunk
 
 
 def _block_size(drafter: nn.Module) -> int:

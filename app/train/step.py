@@ -78,6 +78,7 @@ class DrafterStep:
                 chunk_size=self.train.loss_chunk_size,
                 noise_std=noise_std,
                 generator=generator,
+                ce_chunk=self.drafter.kernels.ce_chunk,
             )
 
     def backward(
