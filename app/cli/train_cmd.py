@@ -42,12 +42,11 @@ def train(
     if wants_distributed(run_config):
         _train_rank(run_config, resume)
         return
-    from app.telemetry import build_telemetry
-    from app.train.trainer import Trainer, TrainingStopped
+    from app.train.ranks import run_drafter_rank
+    from app.train.trainer import TrainingStopped
 
     try:
-        reporters, watches = build_telemetry(run_config)
-        Trainer(run_config, resume=resume, log=_print, reporters=reporters, watches=watches).run()
+        run_drafter_rank(run_config, None, resume, _print)
     except TrainingStopped as stopped:
         print(f"dflash: {stopped}", file=sys.stderr)
         raise typer.Exit(STOPPED_EXIT_CODE) from None
@@ -121,24 +120,15 @@ def _report_failure(runtime, error: BaseException) -> bool:
 def _run_role(run_config, runtime, resume: bool, log) -> Exception | None:
     """This rank's role to the end; returns the stop (a signal, checkpointed) rather than raising it,
     so that torchrun does not record a graceful stop as the rank's error."""
-    from app.data.batching import BatchPlanner
-    from app.data.tokenize import pad_token_id
-    from app.pipeline.target_worker import TargetStopped, TargetWorker
-    from app.telemetry import build_telemetry
-    from app.train.setup import load_run_data, load_tokenizer
-    from app.train.trainer import Trainer, TrainingStopped
+    from app.pipeline.target_worker import TargetStopped
+    from app.train.ranks import run_drafter_rank, run_target_rank
+    from app.train.trainer import TrainingStopped
 
     try:
         if runtime.layout.trains:
-            reporters, watches = build_telemetry(run_config, rank_is_logger=runtime.layout.is_logger)
-            Trainer(
-                run_config, resume=resume, log=log, runtime=runtime, reporters=reporters, watches=watches
-            ).run()
-            return None
-        tokenizer = load_tokenizer(run_config)
-        train_data, _ = load_run_data(run_config, tokenizer, runtime)
-        planner = BatchPlanner.from_config(train_data.lengths, run_config.data, run_config.train.seed)
-        TargetWorker(run_config, runtime, train_data, planner, pad_token_id(tokenizer), log).run()
+            run_drafter_rank(run_config, runtime, resume, log)
+        else:
+            run_target_rank(run_config, runtime, log)
     except (TrainingStopped, TargetStopped) as stopped:
         return stopped
     return None

@@ -1,0 +1,39 @@
+"""The two roles a process runs, each set up by one function in this one layer: a drafter rank trains
+(the Trainer; alone it is the colocated single-process run, under torchrun it trains its share of
+each round with DDP over the drafter group); a target rank streams the frozen target's features to
+the drafter ranks. `dflash train` picks the role; both raise TrainingStopped / TargetStopped on a
+signal, after the state that matters is safe."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from app.compile.prepare import prepare_target_rank
+from app.config import RunConfig
+from app.data.batching import BatchPlanner
+from app.data.tokenize import pad_token_id
+from app.pipeline.distributed import Runtime
+from app.pipeline.target_worker import TargetWorker
+from app.telemetry import build_telemetry
+from app.train.setup import load_run_data, load_tokenizer
+from app.train.trainer import Trainer, TrainResult
+
+Log = Callable[[str], None]
+
+
+def run_drafter_rank(config: RunConfig, runtime: Runtime | None, resume: bool, log: Log) -> TrainResult:
+    """Train the drafter on this rank (`runtime` None: the whole run in this process)."""
+    reporters, watches = build_telemetry(config, rank_is_logger=runtime is None or runtime.layout.is_logger)
+    trainer = Trainer(config, resume=resume, log=log, runtime=runtime, reporters=reporters, watches=watches)
+    return trainer.run()
+
+
+def run_target_rank(config: RunConfig, runtime: Runtime, log: Log) -> None:
+    """Run the frozen target over this rank's batches of every epoch and send their features."""
+    # Main thread, before the worker's threads exist: a hybrid target's library Triton kernels come
+    # from the baked compile-cache entry instead of 40 s of JIT in every process.
+    prepare_target_rank(config, runtime.device, log)
+    tokenizer = load_tokenizer(config)
+    train_data, _ = load_run_data(config, tokenizer, runtime)
+    planner = BatchPlanner.from_config(train_data.lengths, config.data, config.train.seed)
+    TargetWorker(config, runtime, train_data, planner, pad_token_id(tokenizer), log).run()
