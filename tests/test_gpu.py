@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from app.compile.apply import compile_drafter
+from app.compile.build import build_cache
 from app.compile.guard import RecompileError
 from app.compile.key import cache_key, machine_fields
 from app.compile.warmup import synthetic_batches
@@ -19,7 +21,7 @@ from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import chunked_lm_head_ce
 from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import Trainer
-from tests.helpers import random_target_config, small_drafter_raw_config
+from tests.helpers import random_target_config, run_dflash, small_drafter_raw_config
 
 pytestmark = pytest.mark.gpu
 
@@ -105,3 +107,27 @@ def test_an_uncompiled_drafter_refuses_to_train_on_cuda():
         )
     compile_drafter(drafter)
     assert torch.isfinite(step.backward(batch).loss)
+
+
+def test_build_cache_then_a_fresh_process_starts_warm(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
+) -> None:
+    """`dflash build-cache` bakes what the run's step compiles and its step time; `dflash train` in a
+    fresh process loads it and compiles nothing (every inductor and autograd lookup a hit)."""
+    config = random_target_config(
+        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", device="cuda", precision="bf16", max_steps=3
+    )
+    config.compile.cache_dir = str(persistent_tmp / "compile_cache")
+    config.compile.inductor_dir = str(persistent_tmp / "inductor")
+    config.compile.on_cache_miss = "abort"
+    result = build_cache(config, DrafterStep, log=lambda line: None)
+    assert result.built and result.entry.manifest["measured"]["drafter_step_s"] > 0
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+
+    done = run_dflash("train", str(config_file), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    warm_up = next(line for line in done.stdout.splitlines() if line.startswith("compile warm-up:"))
+    hits = re.search(r"inductor hit/miss/bypass (\d+)/0/0, autograd hit/miss/bypass (\d+)/0/0", warm_up)
+    assert hits and int(hits.group(1)) > 0 and int(hits.group(2)) > 0, warm_up
+    assert f"compile cache: loaded {result.entry.key}" in done.stdout

@@ -21,10 +21,9 @@ import torch
 from torch import nn
 
 from app.compile.apply import compile_drafter
-from app.compile.warmup import synchronize
+from app.compile.warmup import synchronize, synthetic_batches
 from app.config import RunConfig
 from app.data.batch import DrafterRow, FeatureBatch
-from app.data.synthetic import synthetic_row
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import block_labels
 from app.model.target import target_dtype
@@ -127,54 +126,47 @@ def run_drafter_bench(
     device = torch.device(device or _default_device(config))
     cuda = device.type == "cuda"
     arch = DrafterArch.from_config(config)
-    generator = torch.Generator().manual_seed(config.train.seed)
-    token_budget, anchors = config.data.token_budget, config.train.anchors
-    documents = max(1, token_budget // config.data.max_length)
-    rows = [
-        synthetic_row(
-            token_budget, anchors, arch.vocab_size, num_documents=documents, generator=generator
-        ).to(device)
-        for _ in range(ROWS)
-    ]
-    frozen_dtype = target_dtype(config.target, device)
-    embed_tokens, lm_head = _frozen_head_stand_ins(arch, device, frozen_dtype)
-    features = torch.randn(token_budget, arch.feature_size, device=device, dtype=frozen_dtype)
     drafter = DFlashDrafter(arch, seed=config.train.seed, device=device)
     if cuda and config.compile.mode != "off":
         compile_drafter(drafter)
-    drafter_step = DrafterStep(config, drafter, BorrowedHeads(embed_tokens, lm_head), device)
+    heads = BorrowedHeads(*_frozen_head_stand_ins(arch, device, target_dtype(config.target, device)))
+    drafter_step = DrafterStep(config, drafter, heads, device)
+    # cycled, so the mask is rebuilt every step; the run's seed draws the rows the entries in
+    # BENCHMARKS.md were measured on (the useful FLOPs depend on a row's layout)
+    batches = synthetic_batches(config, drafter, device, ROWS, seed=config.train.seed)
 
-    def step(row: DrafterRow) -> None:
+    def step(batch: FeatureBatch) -> None:
         """Forward, loss and backward; no optimizer step (what peers' step benchmarks time too)."""
-        drafter_step.backward(FeatureBatch(row=row, features=features))
+        drafter_step.backward(batch)
         drafter.zero_grad(set_to_none=True)
 
     started = time.perf_counter()
-    step(rows[0])
+    step(batches[0])
     synchronize(device)
     first_call_s = time.perf_counter() - started
     for index in range(1, warmup):
-        step(rows[index % ROWS])
+        step(batches[index % ROWS])
     synchronize(device)
 
-    host_syncs = _host_syncs(step, rows[1]) if cuda else None
+    host_syncs = _host_syncs(step, batches[1]) if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         torch.compiler.set_stance("fail_on_recompile")  # a recompile here is a bug: say so, don't time it
     try:
-        step_ms = [_timed(step, rows[index % ROWS], device) for index in range(steps)]
+        step_ms = [_timed(step, batches[index % ROWS], device) for index in range(steps)]
     finally:
         if cuda:
             torch.compiler.set_stance("default")
     peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
-    terms = forward_flops(arch, rows[0].to("cpu"))
+    row = batches[0].row.to("cpu")
+    terms = forward_flops(arch, row)
     return DrafterBenchResult(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
         shapes={
-            "token_budget": token_budget,
-            "anchors": anchors,
+            "token_budget": config.data.token_budget,
+            "anchors": config.train.anchors,
             "block_size": arch.block_size,
-            "documents": documents,
+            "documents": len(torch.unique(row.document_ids[row.document_ids >= 0])),
             "layers": arch.num_layers,
             "hidden": arch.hidden_size,
             "vocab": arch.vocab_size,
@@ -186,8 +178,8 @@ def run_drafter_bench(
         peak_tflops=peak_tflops,
         peak_memory_bytes=peak_memory,
         host_syncs=host_syncs,
-        real_context_tokens=int((rows[0].document_ids >= 0).sum()),
-        query_tokens=anchors * arch.block_size,
+        real_context_tokens=int((row.document_ids >= 0).sum()),
+        query_tokens=config.train.anchors * arch.block_size,
     )
 
 
@@ -239,26 +231,26 @@ def _default_device(config: RunConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _timed(step, row: DrafterRow, device: torch.device) -> float:
+def _timed(step, batch: FeatureBatch, device: torch.device) -> float:
     if device.type != "cuda":
         started = time.perf_counter()
-        step(row)
+        step(batch)
         return (time.perf_counter() - started) * 1e3
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
-    step(row)
+    step(batch)
     end.record()
     end.synchronize()
     return begin.elapsed_time(end)
 
 
-def _host_syncs(step, row: DrafterRow) -> list[str]:
+def _host_syncs(step, batch: FeatureBatch) -> list[str]:
     """Run one step with CUDA's sync debug mode on; where each synchronisation it reports happened."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            step(row)
+            step(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -40,6 +40,7 @@ from app.compile.guard import (
 from app.compile.key import cache_key, key_fields
 from app.compile.warmup import (
     StepFactory,
+    StepTiming,
     time_training_steps,
     uses_library_triton_kernels,
     warm_target,
@@ -144,18 +145,7 @@ def _compile_and_save(
             "(TORCHINDUCTOR_FORCE_DISABLE_CACHES / fx_graph_cache off)?"
         )
     artifacts, info = saved
-    measured = {
-        "drafter_step_s": timing.drafter_step_s,
-        "target_forward_s": timing.target_forward_s,
-        "step_time_s": baseline_step_time(
-            {"drafter_step_s": timing.drafter_step_s, "target_forward_s": timing.target_forward_s}, config
-        ),
-        "topology": "colocated" if config.topology.target_ranks == 0 else "split",
-        "timed_steps": timing.steps,
-        "context_tokens_per_step": config.data.token_budget,
-        "query_tokens_per_step": config.train.anchors * config.drafter.block_size,
-        "cold_compile_s": compile_s,
-    }
+    measured = _measured(config, timing, compile_s)
     build = {
         "device": torch.cuda.get_device_name(device),
         "counters": counters.to_dict(),
@@ -165,6 +155,20 @@ def _compile_and_save(
     }
     counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
     return write_entry(cache_dir, key, fields, artifacts, counts, baked_triton, measured, build)
+
+
+def _measured(config: RunConfig, timing: StepTiming, compile_s: float) -> dict:
+    """The manifest's `measured`: the timed step, the run's throughput baseline and what it covers."""
+    times = {"drafter_step_s": timing.drafter_step_s, "target_forward_s": timing.target_forward_s}
+    return {
+        **times,
+        "step_time_s": baseline_step_time(times, config),
+        "topology": "colocated" if config.topology.target_ranks == 0 else "split",
+        "timed_steps": timing.steps,
+        "context_tokens_per_step": config.data.token_budget,
+        "query_tokens_per_step": config.train.anchors * config.drafter.block_size,
+        "cold_compile_s": compile_s,
+    }
 
 
 def _emptied(directory: Path) -> Path:

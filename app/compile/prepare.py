@@ -32,6 +32,7 @@ from app.compile.guard import (
 from app.compile.key import cache_key, key_fields
 from app.compile.warmup import TrainingStep, warm_up_drafter
 from app.config.schema import RunConfig
+from app.telemetry.health import ExternalEvents
 from app.telemetry.reporter import HealthWatch
 
 Log = Callable[[str], None]
@@ -56,6 +57,14 @@ class CompileReport:
     problems: list[str] = field(default_factory=list)
     watches: list[HealthWatch] = field(default_factory=list)
     """Health watches to add to the trainer's (the throughput guard, when a baseline exists)."""
+
+    def health_watches(self) -> list[HealthWatch]:
+        """The run's watches from compilation: the throughput guard, and the problems found at start
+        (a cache miss, a damaged entry) as health events on the first log line."""
+        problems = ExternalEvents()
+        for problem in self.problems:
+            problems.post(f"compile: {problem}")
+        return [*self.watches, problems]
 
     @property
     def warmup_counters(self) -> CompileCounters:

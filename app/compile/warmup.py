@@ -43,12 +43,13 @@ StepFactory = Callable[[RunConfig, DFlashDrafter, TargetModel, torch.device], Tr
 
 
 def synthetic_batches(
-    config: RunConfig, drafter: DFlashDrafter, device: torch.device, count: int
+    config: RunConfig, drafter: DFlashDrafter, device: torch.device, count: int, seed: int = WARMUP_SEED
 ) -> list[FeatureBatch]:
-    """`count` fixed-shape feature batches laid out like real rows (documents, padding, anchors)."""
+    """`count` fixed-shape feature batches laid out like real rows (documents, padding, anchors);
+    `seed` draws their layouts."""
     arch = drafter.arch
     token_budget = config.data.token_budget
-    generator = torch.Generator().manual_seed(WARMUP_SEED)
+    generator = torch.Generator().manual_seed(seed)
     documents = max(1, token_budget // config.data.max_length)
     # One features tensor shared by all rows: at production shapes each one is gigabytes.
     features = torch.randn(

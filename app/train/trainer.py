@@ -50,14 +50,13 @@ from app.model.objective import feature_noise_std
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import Round, RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
-from app.pipeline.counters import RankCounters, Window, gather_window, target_view
+from app.pipeline.counters import GatheredWindow, RankCounters, Window, gather_window, target_view
 from app.pipeline.distributed import Runtime
 from app.pipeline.remote import RemoteFeatureSource
 from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_group
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
-from app.telemetry.health import ExternalEvents
 from app.telemetry.logline import LogLine
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
 from app.train.schedule import learning_rate
@@ -151,17 +150,9 @@ class Trainer:
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
 
-        self.target: TargetModel | None = None
-        if layout is not None and not layout.colocated:  # split: no target here, only its heads
-            text_config = target_text_config(config.target)
-            layer_ids = resolve_layer_ids(config.drafter, text_config.num_hidden_layers)
-            self.heads = BorrowedHeads(*receive_heads(runtime, target_dtype(config.target, self.device)))
-            arch = DrafterArch.from_config(config, text_config)
-        else:
-            self.target = load_target(config, self.device)
-            layer_ids = self.target.layer_ids
-            self.heads = BorrowedHeads(self.target.embed_tokens, self.target.lm_head)
-            arch = DrafterArch.from_config(config, self.target)
+        self.target, self.heads, arch, layer_ids = self._target_side(
+            layout is not None and not layout.colocated
+        )
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
         self.drafter_step = DrafterStep(config, self.drafter, self.heads, self.device)
         self.optimizer = self.drafter_step.optimizer
@@ -173,18 +164,26 @@ class Trainer:
             resumed = self._agree_on_start(runtime, resumed)
         # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
         self.compile_report = prepare_compiled_training(config, self.drafter_step, log)
-        compile_problems = (
-            ExternalEvents()
-        )  # a cache miss or damaged entry: a health event on the first log line
-        for problem in self.compile_report.problems:
-            compile_problems.post(f"compile: {problem}")
-        self.watches = [*self.watches, *self.compile_report.watches, compile_problems]
+        self.watches = [*self.watches, *self.compile_report.health_watches()]
         if runtime is not None and runtime.layout.num_drafters > 1:
             # broadcasts rank 0's weights
             self.drafter_step.model = wrap_for_drafter_group(self.drafter, runtime)
             if resumed:
                 broadcast_optimizer_state(self.optimizer, runtime)
         self._stop_requested = False
+
+    def _target_side(self, split: bool) -> tuple[TargetModel | None, BorrowedHeads, DrafterArch, list[int]]:
+        """The target (None on a split drafter rank, which receives only the heads from target 0), the
+        heads the drafter borrows, the drafter's shape and the target layers it reads."""
+        config = self.config
+        if split:
+            text_config = target_text_config(config.target)
+            heads = BorrowedHeads(*receive_heads(self.runtime, target_dtype(config.target, self.device)))
+            layer_ids = resolve_layer_ids(config.drafter, text_config.num_hidden_layers)
+            return None, heads, DrafterArch.from_config(config, text_config), layer_ids
+        target = load_target(config, self.device)
+        heads = BorrowedHeads(target.embed_tokens, target.lm_head)
+        return target, heads, DrafterArch.from_config(config, target), target.layer_ids
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -332,20 +331,8 @@ class Trainer:
     ) -> tuple[list[float], Window]:
         """Gather the window's metrics over the drafter ranks (one host sync per log line, not per step),
         print the line on the logging rank, and return the per-step losses and the next window."""
-        stats = source.stats
-        mine = RankCounters(
-            stats.drafter_batches,
-            stats.real_tokens,
-            stats.target_batches,
-            sum(stats.q_hs),
-            round(stats.wait_seconds * 1000),
-            stats.from_targets,
-        )
-        gathered = gather_window(self.runtime, torch.stack([out.totals for out in pending]), mine)
+        gathered = self._gather(pending, window, source)
         losses = gathered.step_losses
-        for offset, loss in enumerate(losses):
-            if not math.isfinite(loss):
-                raise NonFiniteLoss(window.step + offset + 1, pending[offset].round)
         now = time.monotonic()
         targets = target_view(self.runtime, gathered, reader=self.is_logger)
         following = Window(
@@ -390,6 +377,23 @@ class Trainer:
         for reporter in self.reporters:
             reporter.on_log(record)
         return losses, following
+
+    def _gather(self, pending: list[StepOutput], window: Window, source: FeatureSource) -> GatheredWindow:
+        """Every drafter rank's step metrics and feed counters of the window; a non-finite loss stops here."""
+        stats = source.stats
+        mine = RankCounters(
+            stats.drafter_batches,
+            stats.real_tokens,
+            stats.target_batches,
+            sum(stats.q_hs),
+            round(stats.wait_seconds * 1000),
+            stats.from_targets,
+        )
+        gathered = gather_window(self.runtime, torch.stack([out.totals for out in pending]), mine)
+        for offset, loss in enumerate(gathered.step_losses):
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(window.step + offset + 1, pending[offset].round)
+        return gathered
 
     def _epoch_progress(self) -> float:
         epoch, batch = self.cursor.epoch, self.cursor.batch
