@@ -140,23 +140,7 @@ def run_drafter_bench(
         drafter_step.backward(batch)
         drafter.zero_grad(set_to_none=True)
 
-    started = time.perf_counter()
-    step(batches[0])
-    synchronize(device)
-    first_call_s = time.perf_counter() - started
-    for index in range(1, warmup):
-        step(batches[index % ROWS])
-    synchronize(device)
-
-    host_syncs = _host_syncs(step, batches[1]) if cuda else None
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.compiler.set_stance("fail_on_recompile")  # a recompile here is a bug: say so, don't time it
-    try:
-        step_ms = [_timed(step, batches[index % ROWS], device) for index in range(steps)]
-    finally:
-        if cuda:
-            torch.compiler.set_stance("default")
+    first_call_s, step_ms, host_syncs = _time_steps(step, batches, warmup, steps, device)
     peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     row = batches[0].row.to("cpu")
     terms = forward_flops(arch, row)
@@ -229,6 +213,31 @@ def _default_device(config: RunConfig) -> str:
     if config.train.device != "auto":
         return config.train.device
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _time_steps(
+    step, batches: list[FeatureBatch], warmup: int, steps: int, device: torch.device
+) -> tuple[float, list[float], list[str] | None]:
+    """The first call's seconds (compile included), then after `warmup` calls the milliseconds of
+    `steps` timed ones (a recompile among them raises), and where a step synchronises with the host."""
+    cuda = device.type == "cuda"
+    started = time.perf_counter()
+    step(batches[0])
+    synchronize(device)
+    first_call_s = time.perf_counter() - started
+    for index in range(1, warmup):
+        step(batches[index % len(batches)])
+    synchronize(device)
+    host_syncs = _host_syncs(step, batches[1]) if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.compiler.set_stance("fail_on_recompile")  # a recompile here is a bug: say so, don't time it
+    try:
+        step_ms = [_timed(step, batches[index % len(batches)], device) for index in range(steps)]
+    finally:
+        if cuda:
+            torch.compiler.set_stance("default")
+    return first_call_s, step_ms, host_syncs
 
 
 def _timed(step, batch: FeatureBatch, device: torch.device) -> float:

@@ -243,6 +243,26 @@ def _checkpoint_lines(status: dict[str, Any]) -> list[str]:
 # ---- what to do next ----------------------------------------------------------------------------------
 
 
+HEALTH_ADVICE = (
+    (
+        "throughput:",
+        "throughput is below its baseline: check that the compile cache matched and loaded with 0 misses "
+        "(the compile events above), that the GPUs are the ones the cache was built on, and `dflash doctor`",
+    ),
+    (
+        "compile:",
+        "kernels recompiled or missed the cache after warm-up: rebuild it for this stack (`just build-cache`)",
+    ),
+    ("memory:", "GPU memory is not flat: look for changing shapes or recompiles; a leak grows until OOM"),
+    (
+        "queues:",
+        "a pipeline stage is starved or blocked: rebalance topology.target_ranks : drafter_ranks "
+        "(`dflash bench` reports each stage's capacity)",
+    ),
+)
+"""(marker of a health event, what to do about it) for the next steps of `dflash status`."""
+
+
 def next_steps(
     run_dir: Path, status: dict[str, Any], comparison: Comparison | None, stale_s: float | None
 ) -> list[str]:
@@ -275,25 +295,10 @@ def next_steps(
     if breaking and comparison is not None:
         steps.append(
             f"the environment differs from {comparison.against} in {len(breaking)} breaking way(s): rebuild it "
-            f"from uv.lock (`uv sync --locked`, or the image) unless the change is intended; "
+            f"from uv.lock (`./uvw sync --locked`, or the image) unless the change is intended; "
             f"`dflash doctor --against {comparison.against}` shows the details"
         )
-    if "throughput:" in messages:
-        steps.append(
-            "throughput is below its baseline: check that the compile cache matched and loaded with 0 misses "
-            "(the compile events above), that the GPUs are the ones the cache was built on, and `dflash doctor`"
-        )
-    if "compile:" in messages:
-        steps.append(
-            "kernels recompiled or missed the cache after warm-up: rebuild it for this stack (`just build-cache`)"
-        )
-    if "memory:" in messages:
-        steps.append("GPU memory is not flat: look for changing shapes or recompiles; a leak grows until OOM")
-    if "queues:" in messages:
-        steps.append(
-            "a pipeline stage is starved or blocked: rebalance topology.target_ranks : drafter_ranks "
-            "(`dflash bench` reports each stage's capacity)"
-        )
+    steps += [advice for marker, advice in HEALTH_ADVICE if marker in messages]
     if not steps and state == "completed":
         steps.append(
             f"export the drafter: `dflash export {run_dir} --out {run_dir / 'export'}`; measure tau: `dflash eval {run_dir}`"
