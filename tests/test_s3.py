@@ -22,8 +22,10 @@ from app.errors import UserError
 from app.storage import S3Sync, parse_s3_uri, pull_run, upload_export
 from app.storage.remote import RemoteRun
 from app.storage.s3 import MIB, digest_file, make_client, remote_mismatch, transfer_config, upload_verified
-from app.telemetry import TelemetryWarning, build_telemetry
+from app.telemetry import TelemetryWarning
 from app.telemetry.reporter import RunStart
+from app.telemetry.status import read_status
+from app.train.ranks import rank_telemetry
 from app.train.trainer import Trainer, TrainingStopped
 from tests.helpers import StopAtStep, small_config
 
@@ -119,7 +121,7 @@ def test_pull_and_resume_equals_an_uninterrupted_run(
     config = small_config(
         tiny_conversations, tmp_path / "first", "train.max_steps=4", "telemetry.log_every=2", *storage
     )
-    reporters, watches = build_telemetry(config)
+    reporters, watches = rank_telemetry(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TelemetryWarning)
         with pytest.raises(TrainingStopped) as stop:
@@ -135,8 +137,12 @@ def test_pull_and_resume_equals_an_uninterrupted_run(
             ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json")} <= keys  # fmt: skip
     assert {"runs/first/checkpoints/latest", "runs/first/config.json", "runs/first/metrics.jsonl"} <= keys
     remote_status = json.loads(client.get_object(Bucket=bucket, Key="runs/first/status.json")["Body"].read())
-    assert remote_status["state"] == "stopped"  # refreshed before the final round
-    assert remote_status["storage"]["synced_checkpoint"]["name"] == stopped
+    assert remote_status["state"] == "stopped"  # written before the final round
+    remote_storage = json.loads(
+        client.get_object(Bucket=bucket, Key="runs/first/storage.json")["Body"].read()
+    )
+    assert remote_storage["synced_checkpoint"]["name"] == stopped
+    assert read_status(tmp_path / "first")["storage"]["synced_checkpoint"]["name"] == stopped
 
     pulled = tmp_path / "elsewhere"
     monkeypatch.setattr(
@@ -262,7 +268,8 @@ def test_server_down_mid_upload_is_retried_and_nothing_partial_is_visible(
     assert make_client(s3_endpoint, 0).list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
     pulled = pull_run(uri, tmp_path / "pulled", endpoint_url=s3_endpoint)
-    assert pulled.step == 7 and pulled.run_files == ["config.json"]
+    assert pulled.step == 7 and pulled.run_files == ["config.json", "storage.json"]
+    assert json.loads((tmp_path / "pulled" / "storage.json").read_text())["synced_checkpoint"]["step"] == 7
     for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "manifest.json"):
         assert (pulled.checkpoint / name).read_bytes() == (checkpoint / name).read_bytes()
     proxy.down()

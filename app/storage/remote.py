@@ -23,6 +23,7 @@ from typing import Any
 
 from app.atomic import write_bytes_atomic
 from app.checkpoint.store import LATEST, MANIFEST, PREFIX
+from app.paths import STORAGE_STATE_FILE
 from app.storage.s3 import (
     MIB,
     S3Location,
@@ -36,7 +37,14 @@ from app.storage.s3 import (
     upload_verified,
 )
 
-RUN_FILES = ("config.json", "fingerprint.json", "status.json", "metrics.jsonl", "wandb_id")
+RUN_FILES = (
+    "config.json",
+    "fingerprint.json",
+    "status.json",
+    STORAGE_STATE_FILE,
+    "metrics.jsonl",
+    "wandb_id",
+)
 CHECKPOINTS = "checkpoints"
 EXPORTS = "exports"
 

@@ -9,12 +9,13 @@ nothing partial is ever visible to a reader (see app.storage.remote for the uplo
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.atomic import write_json_atomic
 from app.checkpoint.store import MANIFEST
 from app.config.schema import StorageConfig
+from app.paths import STORAGE_STATE_FILE
 from app.storage.remote import EXPORTS, RemoteRun
 from app.storage.s3 import StorageError, describe_error, make_client, parse_s3_uri
 from app.telemetry.guard import warn
@@ -45,15 +46,11 @@ def upload_export(storage: StorageConfig, export_dir: Path) -> None:
 class S3Sync:
     """A reporter that mirrors checkpoints and run files (and exports handed to it) to S3."""
 
-    def __init__(
-        self, storage: StorageConfig, keep_last: int, *, refresh_status: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, storage: StorageConfig, keep_last: int) -> None:
         assert storage.s3_uri is not None, "S3Sync needs storage.s3_uri"
         self.storage = storage
         self.location = parse_s3_uri(storage.s3_uri)
         self.keep_last = keep_last
-        self.refresh_status = refresh_status
-        """Rewrites status.json before the final round uploads it, so the remote copy has the exit too."""
         self.run_dir: Path | None = None
         self._remote: RemoteRun | None = None
         self._lock = threading.Lock()
@@ -135,7 +132,7 @@ class S3Sync:
             self._wake.clear()
             self._idle.clear()
             with self._lock:
-                closing = self._closing  # read before the round: only a closing round refreshes status.json
+                closing = self._closing  # read before the round
             ok = self._round(closing)
             with self._lock:
                 done = ok and self._pending_checkpoint is None and not self._pending_exports
@@ -157,8 +154,7 @@ class S3Sync:
                 with self._lock:
                     if self._pending_exports.get(name) == directory:
                         del self._pending_exports[name]
-            if closing and self.refresh_status is not None:
-                self.refresh_status()
+            self._write_state()  # before the run files go: the remote copy says what it holds
             assert self.run_dir is not None
             self._remote.upload_run_files(self.run_dir)
         except Exception as error:  # a failed round must not end the thread: the next one retries
@@ -166,6 +162,7 @@ class S3Sync:
             with self._lock:
                 self._last_error = describe_error(error)
                 self._failed_rounds += 1
+            self._write_state()
             warn(
                 f"S3 sync to {self.location} failed ({self._last_error}); retrying at the next checkpoint "
                 f"or in {CLOSING_RETRY_S if closing else self.storage.retry_interval_s:g}s"
@@ -174,6 +171,12 @@ class S3Sync:
         with self._lock:
             self._last_error = None
         return True
+
+    def _write_state(self) -> None:
+        """`storage.json` in the run dir: what `dflash status` shows of the sync (its own file, so the
+        status reporter and this one never call each other)."""
+        if self.run_dir is not None:
+            write_json_atomic(self.run_dir / STORAGE_STATE_FILE, self.state())
 
     def _sync_checkpoint(self, remote: RemoteRun, checkpoint: Path) -> None:
         # Without a manifest it was pruned locally (keep_last) before its turn; a newer one supersedes it.

@@ -1,7 +1,8 @@
-"""What a run reports: the log line, metrics.jsonl, status.json, wandb, health watches, S3 sync.
+"""What a run reports: the log line, metrics.jsonl, status.json, wandb, health watches.
 
 `build_telemetry(config)` returns the reporters and health watches a trainer takes; every one of them
-is wrapped so that its failure is a warning, never a crashed or stalled run.
+is wrapped so that its failure is a warning, never a crashed or stalled run. The S3 sync is a reporter
+too (app.storage); `app.train.ranks.rank_telemetry` adds it, the one place a run's telemetry is built.
 """
 
 from __future__ import annotations
@@ -69,10 +70,4 @@ def build_telemetry(
                 mode, telemetry.wandb_project, telemetry.run_name, telemetry.wandb_timeout_s, latest_counters
             )
         )
-    if config.storage.s3_uri is not None:
-        from app.storage.sync import S3Sync  # boto3 and the checkpoint store load only when S3 is used
-
-        sync = S3Sync(config.storage, config.train.keep_last, refresh_status=status.write)
-        status.storage_state = sync.state
-        reporters.append(sync)
     return [GuardedReporter(reporter) for reporter in reporters], guarded_watches

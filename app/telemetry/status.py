@@ -18,6 +18,7 @@ from typing import Any
 from app.atomic import write_json_atomic
 from app.config import RunConfig
 from app.errors import UserError
+from app.paths import STORAGE_STATE_FILE
 from app.telemetry.baseline import Baseline, baseline_from_compile_report
 from app.telemetry.health import active_conditions
 from app.telemetry.reporter import RunStart
@@ -47,6 +48,9 @@ def read_status(run_dir: str | Path) -> dict[str, Any]:
         raise UserError(f"{path}: not a readable status file ({error})") from None
     if not isinstance(status, dict) or status.get("schema") != SCHEMA_VERSION:
         raise UserError(f"{path}: not a dflash status file of schema {SCHEMA_VERSION}")
+    storage = Path(run_dir) / STORAGE_STATE_FILE
+    if storage.is_file():  # the S3 sync's own file (written atomically: complete or absent)
+        status["storage"] = json.loads(storage.read_text())
     return status
 
 
@@ -64,7 +68,6 @@ class StatusFile:
         *,
         watches: Sequence[Any] = (),
         compile_counters: Callable[[], dict[str, int]] | None = None,
-        storage_state: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.config = config
         self.every = config.telemetry.status_every
@@ -72,7 +75,6 @@ class StatusFile:
         self.baseline: Baseline | None = None
         """The loaded compile cache's measured step time, once on_start brings the compile report."""
         self.compile_counters = compile_counters
-        self.storage_state = storage_state
         self.path: Path | None = None
         self.status: dict[str, Any] = {}
         self.recent: list[dict[str, Any]] = []
@@ -168,8 +170,6 @@ class StatusFile:
             )
             if self.compile_counters is not None:
                 status["compile_counters"] = dict(self.compile_counters())
-            if self.storage_state is not None:
-                status["storage"] = self.storage_state()
             write_json_atomic(self.path, status)
             self.written_step = status["progress"].get("step", 0)
 
