@@ -157,6 +157,16 @@ def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
     shown = run_dflash("config", "show", "configs/tiny.toml", "train.lr=0.5")
     assert shown.returncode == 0, shown.stderr
     assert "[train]" in shown.stdout and "lr = 0.5" in shown.stdout
+    # the defaults derived from the target (tiny-lm: 6 layers, 4/2 heads of 32, FFN 384) and block 8
+    for line in ("target_layer_ids = [1, 3]", "num_attention_heads = 4", "num_key_value_heads = 2",
+                 "head_dim = 32", "intermediate_size = 384", "gamma = 4.0"):  # fmt: skip
+        assert line in shown.stdout.splitlines(), line
+
+    elsewhere = run_dflash("config", "show", "configs/qwen3.6-27b.toml")  # its target is not on this machine
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert "target_layer_ids = [1, 16, 31, 46, 61]" in elsewhere.stdout  # set in the file
+    assert "num_attention_heads = null" in elsewhere.stdout  # from the target, which is not here
+    assert elsewhere.stderr.startswith("# defaults derived from the target left unset (null): target.path:")
 
     bad = run_dflash("config", "show", "configs/tiny.toml", "train.lr=-1")
     assert bad.returncode == 2

@@ -88,7 +88,11 @@ def test_run_directory_contents(tiny_lm_dir, tiny_conversations, tmp_path: Path)
     config = small_config(tiny_conversations, tmp_path, "train.max_steps=4", "telemetry.log_every=2")
     result = Trainer(config, log=lines.append).run()
     assert result.steps == 4 and len(result.losses) == 4
-    assert json.loads((tmp_path / "config.json").read_text())["train"]["max_steps"] == 4
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["train"]["max_steps"] == 4
+    # derived defaults are written out: the drafter's shape from tiny-lm, gamma from the block size
+    assert (recorded["drafter"]["num_attention_heads"], recorded["drafter"]["head_dim"]) == (4, 32)
+    assert recorded["drafter"]["target_layer_ids"] == [1] and recorded["train"]["gamma"] == 4 / 2.5
     assert "torch" in json.loads((tmp_path / "fingerprint.json").read_text())
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [2, 4]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -22,9 +23,10 @@ def show(
     overrides: Overrides = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML-like text.")] = False,
 ) -> None:
-    """Print the fully resolved config (file + overrides + defaults)."""
-    resolved = load_config(config, overrides or [])
-    data = resolved.model_dump(mode="json")
+    """Print the fully resolved config: file + overrides + defaults, and the defaults derived from the
+    target (the drafter's head layout, FFN, target layers) and the block size (gamma)."""
+    loaded = load_config(config, overrides or [])
+    data = _with_derived_defaults(loaded).model_dump(mode="json")
     if as_json:
         print(json.dumps(data, indent=2))
         return
@@ -55,6 +57,18 @@ def schema(
         for name, sub in model.model_fields.items():
             table.add_row(name, _type_name(sub.annotation), _default(sub), sub.description or "")
         console.print(table)
+
+
+def _with_derived_defaults(config: RunConfig) -> RunConfig:
+    """The config as a run records it; as loaded, with a note, when the target's config is not here."""
+    from app.errors import UserError
+    from app.model.drafter import DrafterArch, with_derived_defaults  # torch: only for `show`
+
+    try:
+        return with_derived_defaults(config, DrafterArch.from_config(config))
+    except UserError as error:
+        print(f"# defaults derived from the target left unset (null): {error}", file=sys.stderr)
+        return config
 
 
 def _type_name(annotation: Any) -> str:

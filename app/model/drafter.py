@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from app.config import default_gamma
 from app.config.schema import RunConfig
 from app.data.batch import DrafterRow
 from app.errors import UserError
@@ -141,6 +142,27 @@ class DrafterArch:
             sliding_window=drafter.sliding_window,
             sliding_window_layers=tuple(drafter.sliding_window_layers),
         )
+
+
+def with_derived_defaults(config: RunConfig, arch: DrafterArch) -> RunConfig:
+    """`config` with every default that depends on the target or the block size written out: the
+    drafter's head layout, FFN, norm eps, RoPE base and target layers as `arch` resolved them, and
+    `train.gamma`. A run records this (config.json) and `dflash config show` prints it."""
+    drafter = config.drafter.model_copy(
+        update={
+            "target_layer_ids": list(arch.target_layer_ids),
+            "num_attention_heads": arch.num_attention_heads,
+            "num_key_value_heads": arch.num_key_value_heads,
+            "head_dim": arch.head_dim,
+            "intermediate_size": arch.intermediate_size,
+            "rope_theta": arch.rope_theta,
+            "rms_norm_eps": arch.rms_norm_eps,
+        }
+    )
+    gamma = config.train.gamma or default_gamma(arch.block_size)
+    return config.model_copy(
+        update={"drafter": drafter, "train": config.train.model_copy(update={"gamma": gamma})}
+    )
 
 
 def _rope_theta(text: PretrainedConfig) -> float:

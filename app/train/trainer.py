@@ -45,7 +45,7 @@ from app.data.tokenize import pad_token_id
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
-from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
 from app.model.objective import feature_noise_std
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import Round, RoundPlanner
@@ -153,6 +153,7 @@ class Trainer:
         self.target, self.heads, arch, layer_ids = self._target_side(
             layout is not None and not layout.colocated
         )
+        self.config = config = with_derived_defaults(config, arch)  # what config.json records
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
         self.drafter_step = DrafterStep(config, self.drafter, self.heads, self.device)
         self.optimizer = self.drafter_step.optimizer
