@@ -23,7 +23,7 @@ import signal
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
 from app.telemetry.logline import LogLine
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
+from app.telemetry.session import Telemetry
 from app.train.schedule import learning_rate
 from app.train.setup import load_run_data, load_tokenizer, pick_device, training_signal
 from app.train.step import BorrowedHeads, DrafterStep
@@ -129,8 +130,9 @@ class Trainer:
         self.runtime = runtime
         self.is_logger = runtime is None or runtime.layout.is_logger
         self.log = log
-        self.reporters: list[Reporter] = [MetricsFile(), *(reporters or [])] if self.is_logger else []
-        self.watches: list[HealthWatch] = watches or []
+        self.telemetry = Telemetry(
+            [MetricsFile(), *(reporters or [])] if self.is_logger else [], watches or [], log
+        )
         self.run_dir = Path(config.train.output_dir)
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
         self.device = runtime.device if runtime is not None else pick_device(config.train.device)
@@ -165,7 +167,7 @@ class Trainer:
             resumed = self._agree_on_start(runtime, resumed)
         # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
         self.compile_report = prepare_compiled_training(config, self.drafter_step, log)
-        self.watches = [*self.watches, *self.compile_report.health_watches()]
+        self.telemetry.watch(self.compile_report.health_watches())
         if runtime is not None and runtime.layout.num_drafters > 1:
             # broadcasts rank 0's weights
             self.drafter_step.model = wrap_for_drafter_group(self.drafter, runtime)
@@ -324,8 +326,7 @@ class Trainer:
     def _finish(self, exit_reason: str) -> None:
         if self.runtime is not None and self.is_logger and not exit_reason.startswith("failed"):
             self.runtime.side.publish_finished(exit_reason, self.step)  # target ranks stop waiting
-        for reporter in self.reporters:
-            reporter.on_exit(exit_reason, self.step)
+        self.telemetry.on_exit(exit_reason, self.step)
 
     def _log(
         self, pending: list[StepOutput], window: Window, source: FeatureSource, started: float
@@ -364,8 +365,7 @@ class Trainer:
             eta_s=(self.total_steps - self.step) * seconds / max(1, steps),
             memory_gb=_cuda_memory_gb(self.device),
         )
-        record = {
-            **asdict(line),
+        details = {
             "step_losses": losses,
             "grad_norm": torch.stack([out.grad_norm.float() for out in pending]).mean().item(),
             "drafter_batch_counts": [c.drafter_batches for c in gathered.counters],
@@ -373,10 +373,7 @@ class Trainer:
             "feature_wait_s": [c.wait_ms / 1000 for c in gathered.counters],
             "target_forward_s": targets.forward_s,
         }
-        line.events = record["events"] = [event for watch in self.watches for event in watch.check(record)]
-        self.log(line.render())
-        for reporter in self.reporters:
-            reporter.on_log(record)
+        self.telemetry.on_window(line, details)
         return losses, following
 
     def _gather(self, pending: list[StepOutput], window: Window, source: FeatureSource) -> GatheredWindow:
@@ -423,8 +420,7 @@ class Trainer:
             f"eval step={self.step}: tau={result.tau:.3f} over {result.rounds} rounds of "
             f"{len(self.evaluator.prompts)} prompts"
         )
-        for reporter in self.reporters:
-            reporter.on_log(record)
+        self.telemetry.on_record(record)
         return record["eval"]
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -453,8 +449,7 @@ class Trainer:
 
     def _report_checkpoints(self, saved: list[SavedCheckpoint]) -> None:
         for checkpoint in saved:
-            for reporter in self.reporters:
-                reporter.on_checkpoint(checkpoint.path, checkpoint.step)
+            self.telemetry.on_checkpoint(checkpoint.path, checkpoint.step)
 
     def _settle_checkpoints(self) -> None:
         """On the way out, also of a failure: the write in flight completes and is reported."""
@@ -513,8 +508,7 @@ class Trainer:
         fingerprint = collect_fingerprint()
         write_json_atomic(self.run_dir / "config.json", config)
         save_fingerprint(fingerprint, self.run_dir / "fingerprint.json")
-        for reporter in self.reporters:
-            reporter.on_start(RunStart(self.run_dir, config, fingerprint, self.compile_report.to_dict()))
+        self.telemetry.on_start(RunStart(self.run_dir, config, fingerprint, self.compile_report.to_dict()))
 
     def _note(self, line: str) -> None:
         """A line only the logging rank prints (every drafter rank would print the same)."""
