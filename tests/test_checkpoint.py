@@ -213,3 +213,11 @@ def test_checkpoint_bench_compares_the_training_pause_both_ways(tiny_lm_dir, tmp
     assert not (tmp_path / "bench" / "in_place").exists() and not (tmp_path / "bench" / "background").exists()
     report = format_report(result)
     assert "in place:   training waits" in report and "training pause: " in report
+
+
+def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path: Path) -> None:
+    """Past 8 digits the names no longer sort like the steps: pruning and `latest` go by the number."""
+    for step in (99_999_999, 100_000_000):
+        save(tmp_path, step, keep_last=1)
+    assert [p.name for p in complete_checkpoints(checkpoint_root(tmp_path))] == ["step_100000000"]
+    assert load_latest_checkpoint(tmp_path).step == 100_000_000

@@ -5,17 +5,19 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from app.checkpoint.store import checkpoint_root, complete_checkpoints
 from app.checkpoint.writer import CheckpointWriteError
 from app.config import load_config
 from app.errors import UserError
 from app.model.objective import drafter_loss
-from app.train.trainer import Trainer, TrainingStopped
+from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
 from tests.helpers import StopAtStep, random_target_config, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,3 +247,53 @@ def test_a_failed_checkpoint_write_fails_the_run_naming_the_step(
     config = small_config(tiny_conversations, tmp_path, "train.max_steps=4", "train.save_every=2")
     with pytest.raises(CheckpointWriteError, match=r"checkpoint of step 2 in .* could not be written \("):
         Trainer(config, log=quiet).run()
+
+
+def test_a_new_run_into_a_directory_with_checkpoints_is_refused_before_anything_loads(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """Without --resume the new run would mix its checkpoints with the old ones (and prune its own);
+    the refusal comes first, leaves the old run as it was and removes a killed write's staging."""
+    Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=2"), log=quiet).run()
+    root = checkpoint_root(tmp_path)
+    before = sorted(path.name for path in root.iterdir())
+    (root / ".step_00000009.abandoned").mkdir()  # what a SIGKILL mid-write leaves
+    missing_data = small_config(tmp_path / "no-such-data.jsonl", tmp_path, "train.max_steps=2")
+    with pytest.raises(UserError, match=r"holds the checkpoints of an earlier run \(newest step_00000002\); "
+                       r"continue it with --resume, or start a new run with another train.output_dir"):  # fmt: skip
+        Trainer(missing_data, log=quiet)  # refused before the (missing) data is even looked at
+    assert sorted(path.name for path in root.iterdir()) == before
+
+
+def test_resume_refuses_when_every_checkpoint_is_damaged(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    config = small_config(tiny_conversations, tmp_path, "train.max_steps=2", "train.save_every=1")
+    Trainer(config, log=quiet).run()
+    for path in complete_checkpoints(checkpoint_root(tmp_path)):
+        (path / "model.safetensors").write_bytes(b"damaged")
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(
+            UserError,
+            match=r"cannot resume: every checkpoint fails verification \(step_00000001, step_00000002;",
+        ),
+    ):
+        Trainer(config, resume=True, log=quiet)
+
+
+def test_a_non_finite_step_is_never_checkpointed(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
+    """An absurd learning rate: the run stops at the first non-finite step, before the save of that
+    step, on a step that logs nothing (the check does not wait for a log line)."""
+    config = small_config(
+        tiny_conversations, tmp_path, "train.max_steps=6", "train.save_every=1", "telemetry.log_every=100",
+        "train.lr=1e12", "train.warmup_ratio=0", "train.grad_clip=1e30",
+    )  # fmt: skip
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss at step (\d+)") as stopped:
+        Trainer(config, log=quiet).run()
+    bad_step = int(re.search(r"step (\d+)", str(stopped.value)).group(1))
+    saved = complete_checkpoints(checkpoint_root(tmp_path))
+    assert all(int(path.name.removeprefix("step_")) < bad_step for path in saved)
+    for path in saved:
+        weights = load_file(path / "model.safetensors")
+        assert all(torch.isfinite(tensor).all() for tensor in weights.values()), path.name

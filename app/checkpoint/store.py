@@ -104,10 +104,31 @@ def remove_abandoned_staging(root: Path) -> None:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint directories with a manifest, oldest first (temp directories are never listed)."""
+    """Checkpoint directories with a manifest, oldest step first (temp directories are never listed)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MANIFEST).is_file())
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / MANIFEST).is_file()]
+    return sorted(found, key=_step_of)
+
+
+def check_run_directory(run_dir: str | Path, resume: bool) -> None:
+    """Before anything heavy loads: remove what a killed write left, and refuse to start a new run in a
+    directory holding another run's checkpoints (the two would mix, and pruning would delete the new ones)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return
+    remove_abandoned_staging(root)
+    existing = complete_checkpoints(root)
+    if existing and not resume:
+        raise UserError(
+            f"{run_dir}: holds the checkpoints of an earlier run (newest {existing[-1].name}); continue it "
+            "with --resume, or start a new run with another train.output_dir"
+        )
+
+
+def _step_of(path: Path) -> int:
+    digits = path.name[len(PREFIX) :]
+    return int(digits) if digits.isdigit() else -1
 
 
 def verify_checkpoint(path: Path) -> str | None:

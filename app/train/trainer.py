@@ -33,8 +33,10 @@ import torch.distributed as dist
 from app.atomic import write_json_atomic
 from app.checkpoint.store import (
     PREFIX,
+    check_run_directory,
     check_training_signal,
     checkpoint_root,
+    complete_checkpoints,
     load_latest_checkpoint,
 )
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
@@ -134,6 +136,8 @@ class Trainer:
             [MetricsFile(), *(reporters or [])] if self.is_logger else [], watches or [], log
         )
         self.run_dir = Path(config.train.output_dir)
+        if self.is_logger:
+            check_run_directory(self.run_dir, resume)
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
         self.device = runtime.device if runtime is not None else pick_device(config.train.device)
         self.tokenizer = load_tokenizer(config)
@@ -270,6 +274,7 @@ class Trainer:
                     evals.append(self.evaluate())
                 stop = self._stop_agreed()
                 if self.step % train.save_every == 0 or stop:
+                    self._refuse_non_finite(pending)  # no non-finite state is ever checkpointed
                     checkpoint = self.save()
                 self._report_checkpoints(self.checkpoints.completed(block=stop))
                 if stop:
@@ -391,7 +396,20 @@ class Trainer:
         for offset, loss in enumerate(gathered.step_losses):
             if not math.isfinite(loss):
                 raise NonFiniteLoss(window.step + offset + 1, pending[offset].round)
+        self._refuse_non_finite(pending)  # the gradient norms: all-reduced, so alike on every drafter rank
         return gathered
+
+    def _refuse_non_finite(self, pending: list[StepOutput]) -> None:
+        """Stop at the first of the steps not yet checked whose loss or gradient norm is not finite. It
+        reads them from the device: only where the loop synchronises anyway (a log line, a save)."""
+        if not pending:
+            return
+        losses = torch.stack([out.totals[0] for out in pending])
+        norms = torch.stack([out.grad_norm.float() for out in pending])
+        first_step = self.step - len(pending) + 1
+        for offset, finite in enumerate((torch.isfinite(losses) & torch.isfinite(norms)).tolist()):
+            if not finite:
+                raise NonFiniteLoss(first_step + offset, pending[offset].round)
 
     def _epoch_progress(self) -> float:
         epoch, batch = self.cursor.epoch, self.cursor.batch
@@ -462,6 +480,13 @@ class Trainer:
         """Load the latest good checkpoint into this rank; False when there is none."""
         checkpoint = load_latest_checkpoint(self.run_dir, map_location=self.device)
         if checkpoint is None:
+            damaged = complete_checkpoints(checkpoint_root(self.run_dir))
+            if damaged:
+                raise UserError(
+                    f"{checkpoint_root(self.run_dir)}: cannot resume: every checkpoint fails verification "
+                    f"({', '.join(path.name for path in damaged)}; the warnings above say why); restore one, "
+                    "or start a new run with another train.output_dir"
+                )
             self.log(f"no checkpoint in {self.run_dir}; starting from step 0")
             return False
         check_training_signal(checkpoint.state["signal"], self.signal, checkpoint.path)
