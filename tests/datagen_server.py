@@ -137,7 +137,7 @@ class ScriptedServer:
         "flaky"          503 for the first two requests of that text, then a normal answer
         "think"          `<think>why</think>answer` in the content
         "reasoningfield" reasoning in `reasoning_content`, the answer in `content`
-        anything else    "echo <hash of the whole conversation>" after `delay_s`
+        anything else    `echo(messages)`: "echo <hash of the whole conversation>", after `delay_s`
     While `broken` is set every chat request gets a 500.
     """
 
@@ -204,8 +204,18 @@ class ScriptedServer:
         if last_user.startswith("reasoningfield"):
             return 200, _completion("answer", reasoning="why")
         time.sleep(self.delay_s)
-        digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:12]
-        return 200, _completion(f"echo {digest}")
+        return 200, _completion(echo(messages))
+
+    @property
+    def answered(self) -> int:
+        """Chat requests whose answer is made (sent, or about to be)."""
+        with self._lock:
+            return len(self.requests) - self.active
+
+
+def echo(messages: list[dict[str, Any]]) -> str:
+    """The scripted answer to an ordinary conversation."""
+    return f"echo {hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:12]}"
 
 
 def _completion(content: str, reasoning: str | None = None) -> bytes:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import pty
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,7 +32,7 @@ from app.datagen.responses import split_think
 from app.datagen.servers import NoServerReachable
 from app.datagen.store import OutputDirBusy, ShardStore
 from app.errors import UserError
-from tests.datagen_server import ScriptedServer, TransformersServe, build_tiny_chat_model, free_port
+from tests.datagen_server import ScriptedServer, TransformersServe, build_tiny_chat_model, echo, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DFLASH = Path(sys.executable).parent / "dflash"
@@ -111,6 +115,23 @@ def start_cli(config: Path) -> subprocess.Popen[str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def assert_complete(rows: list[dict[str, Any]], prompts: Path) -> None:
+    """Every row is one prompt of `prompts`, once, with exactly the scripted server's whole answer."""
+    expected = {record.id for record in load_prompts([str(prompts)]).records}
+    ids = [row["id"] for row in rows]
+    assert len(ids) == len(set(ids)) and set(ids) <= expected
+    for row in rows:
+        asked = [{"role": m["role"], "content": m["content"]} for m in row["messages"][:-1]]
+        assert row["messages"][-1] == {"role": "assistant", "content": echo(asked), "reasoning_content": None}
+        assert row["finish_reasons"] == ["stop"]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(directory)): path.read_bytes() for path in directory.rglob("*") if path.is_file()
+    }
 
 
 def wait_for(condition: Any, timeout_s: float, what: str) -> None:
@@ -536,6 +557,140 @@ def test_sigterm_commits_completed_records_and_exits_nonzero(tmp_path: Path) -> 
     assert second.returncode == 0, second.stdout + second.stderr
     ids = [row["id"] for row in output_rows(output)]
     assert len(ids) == len(set(ids)) == 200
+
+
+def test_sighup_commits_completed_records_and_the_resume_command_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    from app.cli import main
+
+    server = ScriptedServer(delay_s=0.05).start()
+    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(30))
+    output = tmp_path / "out"
+    config = write_run_config(
+        tmp_path / "run.toml",
+        {"prompts": [str(prompts)], "output_dir": str(output), "servers": [server.url], "concurrency": 2,
+         "shard_size": 1000, **FAST},
+    )  # fmt: skip
+    try:
+        run = start_cli(config)
+        wait_for(lambda: len(server.requests) >= 8, 60, "eight requests")
+        answered = server.answered
+        run.send_signal(signal.SIGHUP)
+        stdout, _ = run.communicate(timeout=30)
+        assert run.returncode == 129, stdout
+        assert "stopped by SIGHUP" in stdout
+        committed = output_rows(output)
+        assert_complete(committed, prompts)
+        # every answer the run had before the hangup is kept; one per worker may still have been on its way
+        assert answered - 2 <= len(committed) <= len(server.requests)
+        assert f"done {len(committed)} + failed 0 + skipped 0 + unfinished {30 - len(committed)}" in stdout
+
+        resume = shlex.split(stdout.split("datagen: to resume: ")[1].splitlines()[0])
+        monkeypatch.setattr(sys, "argv", resume)  # in this process: one interpreter start less
+        main()  # returns on exit status 0, raises SystemExit on any other
+    finally:
+        server.stop()
+    resumed = capsys.readouterr().out
+    assert f"done {30 - len(committed)} + failed 0 + skipped {len(committed)} == input 30" in resumed
+    rows = output_rows(output)
+    assert len(rows) == 30 and rows[: len(committed)] == committed
+    assert_complete(rows, prompts)
+
+
+def test_closing_the_terminal_commits_completed_records(tmp_path: Path) -> None:
+    """The run's terminal goes away: the kernel sends SIGHUP and every later write fails (EIO)."""
+    server = ScriptedServer(delay_s=0.05).start()
+    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(30))
+    output = tmp_path / "out"
+    config = write_run_config(
+        tmp_path / "run.toml",
+        {"prompts": [str(prompts)], "output_dir": str(output), "servers": [server.url], "concurrency": 2,
+         "shard_size": 1000, **FAST},
+    )  # fmt: skip
+    # a session of its own whose controlling terminal is the pty, as a shell in a terminal window has
+    as_session_leader = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])"
+    window, tty = pty.openpty()
+    try:
+        run = subprocess.Popen(
+            [sys.executable, "-c", as_session_leader, str(DFLASH), "datagen", str(config)],
+            cwd=REPO, stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
+        )  # fmt: skip
+        os.close(tty)
+        # unread, the window fills no buffer: the run writes only a few KiB before it is closed
+        wait_for(lambda: len(server.requests) >= 8, 60, "eight requests")
+        answered = server.answered
+        os.close(window)
+        assert run.wait(timeout=30) == 129
+    finally:
+        server.stop()
+    committed = output_rows(output)
+    assert_complete(committed, prompts)
+    assert answered - 2 <= len(committed) <= len(server.requests)
+
+
+def test_an_ignored_sighup_does_not_stop_the_run(tmp_path: Path) -> None:
+    """Under nohup a closed terminal must not stop the run: the ignored SIGHUP stays ignored."""
+    server = ScriptedServer(delay_s=0.05).start()
+    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(16))
+    config = make_config(prompts, tmp_path / "out", [server.url], concurrency=2)
+
+    def hang_up() -> None:
+        wait_for(lambda: len(server.requests) >= 4, 60, "four requests")
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what nohup leaves to the run
+    hangup = threading.Thread(target=hang_up)
+    try:
+        hangup.start()
+        report = run_datagen(config, quiet_console())
+        hangup.join()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+        server.stop()
+    assert (report.stopped_by, report.done, report.exit_code) == (None, 16, 0)
+    assert_complete(output_rows(tmp_path / "out"), prompts)
+
+
+def test_changed_settings_are_refused_when_every_record_is_done(
+    scripted: ScriptedServer, tmp_path: Path
+) -> None:
+    from app.config import load_config
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(3))
+    output = tmp_path / "out"
+    config = write_run_config(
+        tmp_path / "run.toml",
+        {"prompts": [str(prompts)], "output_dir": str(output), "servers": [scripted.url], "max_tokens": 8, **FAST},
+    )  # fmt: skip
+    assert run_datagen(load_config(config).datagen, quiet_console()).done == 3
+    before = snapshot(output)
+
+    rerun = subprocess.run(
+        [str(DFLASH), "datagen", str(config), "datagen.temperature=0.7"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert rerun.returncode == 2, rerun.stdout + rerun.stderr
+    (line,) = rerun.stderr.splitlines()
+    assert line == (
+        f"dflash: error: datagen.output_dir: {output} holds records made with other settings "
+        "(temperature 0.0 -> 0.7); use a new datagen.output_dir to generate with the new settings, "
+        "or restore the old ones"
+    )
+    assert snapshot(output) == before
+    for override, change in [
+        ("datagen.max_tokens=16", "max_tokens 8 -> 16"),
+        ('datagen.model="other-model"', "model 'scripted-model' -> 'other-model'"),
+        ("datagen.reasoning='drop'", "reasoning 'keep' -> 'drop'"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(f"other settings ({change})")):
+            run_datagen(load_config(config, [override]).datagen, quiet_console())
+        assert snapshot(output) == before
+    assert len(scripted.requests) == 3  # the refused reruns asked nothing
+    unchanged = run_datagen(load_config(config).datagen, quiet_console())
+    assert (unchanged.resumed, unchanged.done, unchanged.exit_code) == (3, 0, 0)
 
 
 def test_changed_sampling_settings_are_refused(scripted: ScriptedServer, tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 from typing import Annotated
 
 import typer
@@ -24,9 +26,22 @@ def datagen(
 
     run_config = load_config(config, overrides or [])
     report = run_datagen(run_config.datagen)
-    for line in report.summary():
-        print(line, flush=True)
-    if report.stopped_by:
-        command = shlex.join(["dflash", "datagen", config, *(overrides or [])])
-        print(f"datagen: to resume: {command}", flush=True)
+    try:
+        for line in report.summary():
+            print(line, flush=True)
+        if report.stopped_by:
+            command = shlex.join(["dflash", "datagen", config, *(overrides or [])])
+            print(f"datagen: to resume: {command}", flush=True)
+    except OSError:
+        # the terminal is gone (closed window: SIGHUP, then EIO): the records are committed and the
+        # exit code still tells; unwritable output must not turn it into a traceback (or the 120 of
+        # a failed flush at interpreter exit)
+        _discard_output()
     raise typer.Exit(report.exit_code)
+
+
+def _discard_output() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        os.dup2(devnull, stream.fileno())
+    os.close(devnull)

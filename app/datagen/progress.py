@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import TracebackType
 
@@ -62,7 +63,9 @@ class DatagenProgress:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         if self._bar is not None:
-            self._bar.stop()
+            # a closed terminal (SIGHUP) fails the last redraw with EIO: the run must still commit and report
+            with contextlib.suppress(OSError):
+                self._bar.stop()
 
     def advance(self, failed: bool) -> None:
         if failed:

@@ -2,13 +2,14 @@
 
 The algorithm:
     1. read and normalise the prompts (malformed records and repeated ids are skipped with reasons);
-    2. open the output directory: committed shards say which ids are done, those are skipped;
-    3. probe the servers and settle the model id; refuse to mix settings into existing shards;
+    2. open the output directory: committed shards say which ids are done, those are skipped; refuse
+       generation settings other than those its records were made with (even when all are done);
+    3. probe the servers and settle the model id; refuse it too if the records were made with another;
     4. workers (concurrency x servers) take pending records in order; each regenerates its assistant
        turns one after another, every turn conditioned on the turns regenerated before it;
     5. completed records are committed in shards of `shard_size` (or after `flush_interval_s`);
        failures go to the rejects file and are retried by the next run;
-    6. on SIGINT/SIGTERM or a server outage: stop sending, commit what is complete, report.
+    6. on SIGINT/SIGTERM/SIGHUP or a server outage: stop sending, commit what is complete, report.
 Every record read ends up in exactly one of done, failed, skipped or (after a stop) unfinished.
 """
 
@@ -37,6 +38,9 @@ from app.errors import UserError
 
 SHOWN_SKIPS = 10
 """Malformed records listed one by one before the rest are only counted."""
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a run cleanly (commit, report, exit 128 + number): ^C, `kill`, a closed terminal."""
 
 
 class _RecordFailed(Exception):
@@ -75,9 +79,10 @@ class DatagenReport:
 
     @property
     def exit_code(self) -> int:
-        """130/143 after SIGINT/SIGTERM, 1 after an outage or when no record has ever succeeded, else 0."""
-        if self.stopped_by in ("SIGINT", "SIGTERM"):
-            return 128 + signal.Signals[self.stopped_by].value
+        """128 + the signal after a stop signal, 1 after an outage or when no record has ever succeeded, else 0."""
+        stopping = {sig.name: sig for sig in STOP_SIGNALS}
+        if self.stopped_by in stopping:
+            return 128 + stopping[self.stopped_by].value
         if self.stopped_by or (self.failed and not (self.done or self.resumed)):
             return 1
         return 0
@@ -181,6 +186,8 @@ class _Run:
 
     async def execute(self) -> DatagenReport:
         report = self.report
+        # before the shortcut below: a rerun with other settings must not pass as "already done"
+        self.store.check_settings(self._settings(self.config.model))
         if not self.pending:
             self.console.print(f"datagen: all {report.resumed} records are already done", highlight=False)
             self.store.write_rejects(self.rejects)
@@ -205,18 +212,23 @@ class _Run:
             )
             self.model = await self.pool.start(self.config.model)
             report.model = self.model
-            self.store.check_manifest(self._settings())
+            self.store.record_settings(self._settings(self.model))
             self.console.print(
                 f"datagen: {len(self.pending)} records to generate ({report.resumed} already done) with "
                 f"{self.model!r} on {len(self.config.servers)} server(s), {self.config.concurrency} in flight each",
                 highlight=False,
             )
+            loop = asyncio.get_running_loop()
+            handled = self._install_signal_handlers(loop)
             try:
                 await self._generate(slots)
             finally:
                 await self.pool.close()
                 report.servers = self.pool.servers
                 self._flush(force=True)
+                # only now: a second signal before the final commit would otherwise kill the run
+                for sig in handled:
+                    loop.remove_signal_handler(sig)
         report.unfinished = len(self.pending) - report.done - report.failed
         report.rejects_path = self.store.rejects_path if self.rejects else None
         report.rejected = len(self.rejects)
@@ -225,13 +237,9 @@ class _Run:
     async def _generate(self, slots: int) -> None:
         started = time.monotonic()
         records = iter(self.pending)
-        loop = asyncio.get_running_loop()
-        handled = self._install_signal_handlers(loop)
         with DatagenProgress(self.console, total=len(self.pending)) as progress:
             self.workers = [asyncio.create_task(self._worker(records, progress)) for _ in range(slots)]
             outcomes = await asyncio.gather(*self.workers, return_exceptions=True)
-        for sig in handled:
-            loop.remove_signal_handler(sig)
         self.report.elapsed_s = time.monotonic() - started
         for outcome in outcomes:
             if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
@@ -239,7 +247,9 @@ class _Run:
 
     def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> list[signal.Signals]:
         handled = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # ignored by whoever started us (nohup): it must not stop the run either
             try:
                 loop.add_signal_handler(sig, self._stop, sig.name)
             except (NotImplementedError, RuntimeError, ValueError):
@@ -249,11 +259,13 @@ class _Run:
 
     def _stop(self, reason: str) -> None:
         """Stop sending: in-flight records are abandoned (they stay pending), completed ones are kept."""
-        if self.report.stopped_by is None:
+        first = self.report.stopped_by is None
+        if first:
             self.report.stopped_by = reason
-            self.console.print(f"datagen: {reason}: stopping, committing completed records", highlight=False)
         for worker in self.workers:
             worker.cancel()
+        if first:  # after the cancel: on a closed terminal (SIGHUP) printing can fail
+            self.console.print(f"datagen: {reason}: stopping, committing completed records", highlight=False)
 
     async def _worker(self, records: Iterator[PromptRecord], progress: DatagenProgress) -> None:
         for record in records:
@@ -363,10 +375,10 @@ class _Run:
             self.store.write_rejects(self.rejects)
             self.last_flush = time.monotonic()
 
-    def _settings(self) -> dict[str, Any]:
-        """What every record of the output directory must share."""
-        return {
-            "model": self.model,
+    def _settings(self, model: str | None) -> dict[str, Any]:
+        """What every record of the output directory must share; without the model while the servers
+        have not named it (datagen.model unset)."""
+        settings = {
             "temperature": self.config.temperature,
             "top_p": self.config.top_p,
             "max_tokens": self.config.max_tokens,
@@ -374,3 +386,6 @@ class _Run:
             "reasoning": self.config.reasoning,
             "chat_template_kwargs": self.config.chat_template_kwargs,
         }
+        if model is not None:
+            settings["model"] = model
+        return settings

@@ -94,24 +94,31 @@ class ShardStore:
             self._lock_file.close()
             self._lock_file = None
 
-    def check_manifest(self, settings: dict[str, Any]) -> None:
-        """Refuse to mix records made with other settings into this directory; record them if new."""
-        if self.manifest_path.is_file():
-            try:
-                recorded = json.loads(self.manifest_path.read_text())
-            except (OSError, json.JSONDecodeError) as error:
-                raise UserError(f"{self.manifest_path}: unreadable manifest ({error})") from None
-            changed = {
-                key: (recorded.get(key), value)
-                for key, value in settings.items()
-                if recorded.get(key) != value
-            }
-            if changed and self.completed_ids:
-                detail = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in changed.items())
-                raise UserError(
-                    f"datagen.output_dir: {self.output_dir} holds records made with other settings ({detail}); "
-                    "use a new output_dir or the same settings"
-                )
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """Refuse settings other than those the committed records were made with; writes nothing."""
+        if not self.completed_ids or not self.manifest_path.is_file():
+            return
+        try:
+            recorded = json.loads(self.manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise UserError(f"{self.manifest_path}: unreadable manifest ({error})") from None
+        if not isinstance(recorded, dict):
+            raise UserError(f"{self.manifest_path}: unreadable manifest (not a JSON object)")
+        changed = [
+            f"{key} {recorded.get(key)!r} -> {value!r}"
+            for key, value in settings.items()
+            if recorded.get(key) != value
+        ]
+        if changed:
+            raise UserError(
+                f"datagen.output_dir: {self.output_dir} holds records made with other settings "
+                f"({', '.join(changed)}); use a new datagen.output_dir to generate with the new settings, "
+                "or restore the old ones"
+            )
+
+    def record_settings(self, settings: dict[str, Any]) -> None:
+        """Refuse other settings (`check_settings`), then record these as the directory's settings."""
+        self.check_settings(settings)
         write_bytes_atomic(self.manifest_path, json.dumps(settings, indent=2, sort_keys=True).encode())
 
     def write_shard(self, rows: list[dict[str, Any]]) -> Path:
