@@ -100,5 +100,10 @@ def replace_directory(staging: str | Path, target: str | Path) -> None:
         return
     retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
     os.rename(target, retired / target.name)
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        os.rename(retired / target.name, target)  # the old version goes back: never neither
+        retired.rmdir()
+        raise
     shutil.rmtree(retired, ignore_errors=True)

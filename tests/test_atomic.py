@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,24 @@ def test_replace_directory_installs_a_new_one_and_replaces_an_old_one_leaving_no
     assert sorted(p.name for p in target.iterdir()) == ["file.txt"]  # the old directory is gone whole
     assert (target / "file.txt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or set-aside directory left
+
+
+def test_a_failed_replacement_puts_the_old_directory_back(tmp_path: Path) -> None:
+    """The new version cannot be renamed in (here: staged on another filesystem, EXDEV): the old one
+    is back in place, nothing is left set aside, and the error is raised."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's tmp dir")
+    target = tmp_path / "out"
+    replace_directory(staged(tmp_path, "first"), target)
+    elsewhere = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        with pytest.raises(OSError):
+            replace_directory(staged(elsewhere, "second"), target)
+    finally:
+        shutil.rmtree(elsewhere)
+    assert (target / "file.txt").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

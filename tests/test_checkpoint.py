@@ -3,7 +3,9 @@ background from a host copy of the state."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,14 +16,17 @@ import torch
 
 from app.checkpoint.store import (
     CheckpointWarning,
+    check_run_directory,
     check_training_signal,
     checkpoint_root,
     complete_checkpoints,
     load_latest_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, HostSnapshot, SavedCheckpoint
 from app.errors import UserError
+from tests.helpers import unwritable_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,3 +226,76 @@ def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path: Path) -> None:
         save(tmp_path, step, keep_last=1)
     assert [p.name for p in complete_checkpoints(checkpoint_root(tmp_path))] == ["step_100000000"]
     assert load_latest_checkpoint(tmp_path).step == 100_000_000
+
+
+def test_the_run_directory_is_created_and_proven_writable(tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "new"
+    check_run_directory(run_dir, resume=False)
+    assert run_dir.is_dir() and list(run_dir.iterdir()) == []  # the probe is gone
+
+
+@pytest.mark.parametrize("where", ["under a file", "a file"])
+def test_an_output_dir_that_cannot_be_a_directory_is_refused_naming_the_setting(
+    tmp_path: Path, where: str
+) -> None:
+    file = tmp_path / "notes.txt"
+    file.write_text("keep me")
+    run_dir = file / "run" if where == "under a file" else file
+    blamed = re.escape(str(file)) if where == "under a file" else "it"
+    with pytest.raises(
+        UserError, match=rf"^train.output_dir = {re.escape(str(run_dir))}: {blamed} is a file"
+    ):
+        check_run_directory(run_dir, resume=False)
+    assert file.read_text() == "keep me"
+
+
+def test_a_read_only_output_dir_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    with unwritable_directory(tmp_path / "run") as run_dir:
+        with pytest.raises(
+            UserError, match=r"^train.output_dir = .*/run: cannot create or write files there \("
+        ):
+            check_run_directory(run_dir, resume=False)
+        with pytest.raises(UserError, match=r"^train.output_dir = .*/run/sub: cannot create or write files"):
+            check_run_directory(run_dir / "sub", resume=False)
+
+
+FILE_SIZE_LIMITED = """
+import json, resource, signal, sys, torch
+from pathlib import Path
+from app.checkpoint.writer import CheckpointWriter
+from app.errors import UserError
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, not the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+writer = CheckpointWriter(Path(sys.argv[1]), keep_last=3)
+small, big = torch.zeros(16), torch.zeros(1 << 15)  # 64 B, 128 KiB
+for step, weights, moments in ((1, small, small), (2, big, small), (3, small, big)):
+    writer.save(step, {"w": weights}, {"state": {0: {"exp_avg": moments}}, "param_groups": []}, {}, {})
+    try:
+        writer.completed(block=True)
+    except UserError as error:
+        print(json.dumps({"step": step, "error": str(error)}))
+"""
+
+
+def test_a_write_the_os_refuses_is_a_user_error_naming_the_checkpoint_kept(tmp_path: Path) -> None:
+    """A real EFBIG (a file size limit), raised in safetensors (step 2's weights) and in torch.save
+    (step 3's optimizer state): each is a UserError naming the OS error and the earlier checkpoint,
+    and leaves no trace; step 1 stays complete and `latest`."""
+    done = subprocess.run(
+        [sys.executable, "-c", FILE_SIZE_LIMITED, str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    failures = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [failure["step"] for failure in failures] == [2, 3]
+    for failure in failures:
+        assert re.fullmatch(
+            rf"checkpoint of step {failure['step']} in .*/checkpoints could not be written \(File too large\); "
+            r"the previous checkpoint step_00000001 is kept: free space \(or raise the quota or file size "
+            r"limit\), then continue with --resume",
+            failure["error"],
+        ), failure["error"]
+    root = checkpoint_root(tmp_path)
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step_00000001"]
+    assert (root / "latest").read_text() == "step_00000001"
+    assert verify_checkpoint(root / "step_00000001") is None

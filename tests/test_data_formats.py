@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import re
 import time
 
 import datasets
@@ -381,3 +383,22 @@ def test_training_data_holds_out_eval_or_reads_eval_files(tmp_path, tiny_tokeniz
     config.data.eval_files = [eval_path]
     train, evaluation = load_training_data(config, tiny_tokenizer)
     assert (len(train), len(evaluation)) == (12, 2)  # short eval answers still make eval prompts
+
+
+@pytest.mark.parametrize(
+    ("where", "suffix"),
+    [("in a string", ".jsonl"), ("between fields", ".jsonl"), ("in a string", ".jsonl.gz")],
+)
+def test_bytes_that_are_not_utf8_are_refused_naming_the_line(tmp_path, tiny_tokenizer, where, suffix):
+    """In a string the json reader takes the bad byte and tokenization crashes on it; between fields
+    the line-by-line fallback read it as a replacement character, and the line counted as malformed."""
+    lines = [json.dumps(conversation(index)).encode() for index in range(4)]
+    at = lines[2].index(b"Question" if where == "in a string" else b'"messages"')
+    lines[2] = lines[2][:at] + b"\xff" + lines[2][at:]
+    data = b"".join(line + b"\n" for line in lines)
+    path = tmp_path / f"bad{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    expected = rf"{re.escape(str(path))}: line 3 is not UTF-8: byte {at + 1} of the line is b'\\xff' \(invalid start byte\); save the file as UTF-8"  # fmt: skip
+    with pytest.raises(UserError, match=rf"^{expected}$"):
+        load([str(path)], tmp_path, tiny_tokenizer)
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-built is left behind

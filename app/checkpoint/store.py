@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -29,12 +31,23 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.atomic import fsync_tree, replace_directory, staging_directory, write_json_atomic, write_text_atomic
+from app.atomic import (
+    fsync_tree,
+    replace_directory,
+    staging_directory,
+    write_bytes_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step_"
+WRITE_PROBE = ".dflash-write-probe"
+"""Written and removed in the run directory at the start, to prove that checkpoints can be written there."""
+RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How safetensors (Rust) reports the OS error of a failed write: only in its message."""
 
 
 class CheckpointWarning(UserWarning):
@@ -69,7 +82,10 @@ def save_checkpoint(
     state: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Write `step_<step>/` atomically, point `latest` at it, then prune to `keep_last` checkpoints."""
+    """Write `step_<step>/` atomically, point `latest` at it, then prune to `keep_last` checkpoints.
+
+    When the OS refuses a write (disk full, file size limit, quota) the OSError is raised, whichever
+    library wrote the file; the partial checkpoint is removed and the earlier ones stay as they were."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     remove_abandoned_staging(root)
@@ -80,15 +96,21 @@ def save_checkpoint(
             {name: t.detach().contiguous().cpu() for name, t in model_state.items()},
             staging / "model.safetensors",
         )
-        torch.save(optimizer_state, staging / "optimizer.pt")
-        torch.save(rng_state, staging / "rng.pt")
+        # Through Python files: torch.save to a path reports a failed write without its OS error.
+        with open(staging / "optimizer.pt", "wb") as handle:
+            torch.save(optimizer_state, handle)
+        with open(staging / "rng.pt", "wb") as handle:
+            torch.save(rng_state, handle)
         (staging / "state.json").write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
         files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(staging.iterdir())}
         write_json_atomic(staging / MANIFEST, {"step": step, "files": files})
         fsync_tree(staging)
         replace_directory(staging, final)  # a rerun of the same step (resumed, then stopped at once)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        refusal = _os_error_behind(error)
+        if refusal is not None and refusal is not error:
+            raise OSError(refusal.errno, refusal.strerror) from error
         raise
     write_text_atomic(root / LATEST, final.name)
     for old in complete_checkpoints(root)[:-keep_last]:
@@ -111,9 +133,22 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=_step_of)
 
 
+def latest_checkpoint(root: Path) -> Path | None:
+    """The complete checkpoint a resume starts from (unverified): the one `latest` names, else the newest."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if (named / MANIFEST).is_file():
+            return named
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
 def check_run_directory(run_dir: str | Path, resume: bool) -> None:
-    """Before anything heavy loads: remove what a killed write left, and refuse to start a new run in a
+    """Before anything heavy loads: make sure the run directory can be written (not hours later, at
+    the first checkpoint), remove what a killed write left, and refuse to start a new run in a
     directory holding another run's checkpoints (the two would mix, and pruning would delete the new ones)."""
+    _require_writable(Path(run_dir))
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return
@@ -124,6 +159,40 @@ def check_run_directory(run_dir: str | Path, resume: bool) -> None:
             f"{run_dir}: holds the checkpoints of an earlier run (newest {existing[-1].name}); continue it "
             "with --resume, or start a new run with another train.output_dir"
         )
+
+
+def _require_writable(run_dir: Path) -> None:
+    """Create `run_dir` if needed and write a probe file there the way checkpoint files are written
+    (temp file, fsync, rename), then remove it; the OS's refusal becomes a UserError naming the setting."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / WRITE_PROBE
+        write_bytes_atomic(probe, b"")
+        probe.unlink()
+    except OSError as error:
+        file = next((path for path in (run_dir, *run_dir.parents) if path.is_file()), None)
+        if file is not None:  # mkdir's own words ("File exists", "Not a directory") do not say which
+            reason = f"{'it' if file == run_dir else file} is a file, not a directory"
+        else:
+            reason = f"cannot create or write files there ({error.strerror or error})"
+        raise UserError(f"train.output_dir = {run_dir}: {reason}") from None
+
+
+def _os_error_behind(error: BaseException) -> OSError | None:
+    """The OS's refusal behind a failed write, if that is what it was: torch.save keeps the OSError of
+    the file it writes only as the context of its RuntimeError, safetensors only in its message."""
+    for cause in (
+        error,
+        error.__cause__,
+        error.__context__,
+    ):  # one level: an OSError handled before is not it
+        if isinstance(cause, OSError):
+            return cause
+    found = RUST_OS_ERROR.search(str(error))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
 
 
 def _step_of(path: Path) -> int:

@@ -8,11 +8,13 @@ copy: the same atomic, checksummed write, renamed into place only when complete.
 
 At most one write is in flight, so host memory holds at most one copy: a save that finds the
 previous write still running waits for it. A failed write is raised on the training thread at its
-next look (`completed`), naming the checkpoint and the cause.
+next look (`completed`), naming the checkpoint and the cause; when the OS refused it (a full disk) it
+is a `UserError`, naming the earlier checkpoint that is kept.
 """
 
 from __future__ import annotations
 
+import errno
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +22,20 @@ from typing import Any
 
 import torch
 
-from app.checkpoint.store import PREFIX, checkpoint_root, save_checkpoint
+from app.checkpoint.store import PREFIX, checkpoint_root, latest_checkpoint, save_checkpoint
+from app.errors import UserError
+
+SPACE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+"""Refusals that more room cures: a full disk, a full quota, a file size limit."""
 
 
 class CheckpointWriteError(RuntimeError):
     """A background checkpoint write failed (it left nothing behind; earlier checkpoints are intact)."""
+
+
+class CheckpointStorageError(CheckpointWriteError, UserError):
+    """The OS refused a checkpoint write (disk full, quota, permissions): a problem of the machine the
+    run is given, not of the run, so it ends in one line and exit 2 like other bad input."""
 
 
 @dataclass(frozen=True)
@@ -80,14 +91,29 @@ class CheckpointWriter:
         try:
             path = save_checkpoint(self.run_dir, step, *snapshot, keep_last=self.keep_last)
         except Exception as error:  # reported on the training thread, which decides what it means
+            failure = self._failure_of(step, error)
             with self._lock:
-                self._failure = CheckpointWriteError(
-                    f"checkpoint of step {step} in {checkpoint_root(self.run_dir)} could not be written "
-                    f"({type(error).__name__}: {error})"
-                )
+                self._failure = failure
             return
         with self._lock:
             self._finished.append(SavedCheckpoint(path, step))
+
+    def _failure_of(self, step: int, error: Exception) -> CheckpointWriteError:
+        root = checkpoint_root(self.run_dir)
+        what = f"checkpoint of step {step} in {root} could not be written"
+        if not isinstance(error, OSError):
+            return CheckpointWriteError(f"{what} ({type(error).__name__}: {error})")
+        try:
+            kept = latest_checkpoint(root)
+            previous = f"the previous checkpoint {kept.name} is kept" if kept else "there is no earlier one"
+        except OSError:  # the directory that refused the write refuses the look too: still say what failed
+            previous = "the earlier checkpoints are as they were"
+        remedy = "free space (or raise the quota or file size limit)"
+        if error.errno not in SPACE_ERRORS:
+            remedy = f"make {root} writable"
+        return CheckpointStorageError(
+            f"{what} ({error.strerror or error}); {previous}: {remedy}, then continue with --resume"
+        )
 
     def _join(self) -> None:
         if self._thread is not None:

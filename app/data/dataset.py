@@ -14,6 +14,7 @@ model is loaded.
 from __future__ import annotations
 
 import bisect
+import codecs
 import gzip
 import hashlib
 import json
@@ -79,6 +80,8 @@ TOKENIZED_FEATURES = datasets.Features(
     }
 )
 BOOKKEEPING_COLUMNS = ["truncated", "status", "reason"]
+UTF8_CHUNK = 1 << 24
+"""Bytes read at a time when checking that a text data file is UTF-8."""
 
 
 @dataclass
@@ -361,6 +364,7 @@ def _read_source(
         if source.kind == "disk":
             raw = _single_split(datasets.load_from_disk(str(source.files[0])), source.label)
         elif source.kind == "json":
+            _require_utf8(source.files[0])
             try:
                 raw = _load(source, raw_cache)
             # some lines are not JSON (keep the rest, count those), or the file is empty
@@ -388,6 +392,38 @@ def _read_source(
     return raw, fmt, locator
 
 
+def _require_utf8(path: Path) -> None:
+    """Refuse a text data file holding bytes that are not UTF-8, naming the first such line: the json
+    reader passes them through to fail deep inside tokenization, the line fallback would garble them."""
+    if _is_utf8(path):
+        return
+    with _open_binary(path) as handle:  # line by line is slower: only for a file known to be bad
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(
+                    f"{path}: line {number} is not UTF-8: byte {error.start + 1} of the line is "
+                    f"{line[error.start : error.end]!r} ({error.reason}); save the file as UTF-8"
+                ) from None
+
+
+def _is_utf8(path: Path) -> bool:
+    decoder = codecs.getincrementaldecoder("utf-8")()  # holds a character split between chunks
+    with _open_binary(path) as handle:
+        try:
+            while chunk := handle.read(UTF8_CHUNK):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def _open_binary(path: Path) -> Any:
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
 def _load(source: Source, raw_cache: Path) -> datasets.Dataset:
     return datasets.load_dataset(
         source.kind, data_files=[str(path) for path in source.files], split="train", cache_dir=str(raw_cache)
@@ -410,7 +446,7 @@ def _json_lines(path: Path) -> datasets.Dataset:
     Only for files `datasets` cannot parse, so holding the lines in memory is the rare case.
     """
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as handle:
+    with opener(path, "rt", encoding="utf-8") as handle:  # `_require_utf8` has checked it
         lines = [line for line in handle if line.strip()]
     return datasets.Dataset.from_dict({JSON_LINE_COLUMN: lines})
 
