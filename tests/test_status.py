@@ -119,6 +119,26 @@ def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) 
             assert colours is None or len(colours) > 10, f"{path.name} is (nearly) one colour"
 
 
+def test_a_healthy_run_in_another_stack_than_the_last_good_run_is_degraded(healthy_run: Path) -> None:
+    """No event of its own, but its newest start ran another torch build than the healthy sibling's
+    last good start: its numbers are not comparable, so status says DEGRADED and exits 1."""
+    run_dir = healthy_run.parent / "other-stack"
+    shutil.copytree(healthy_run, run_dir)
+    record = run_dir / "environment.jsonl"
+    start = json.loads(record.read_text().splitlines()[-1])
+    start["fingerprint"]["torch"]["version"] = "2.11.0+cu130"
+    with record.open("a") as handle:  # a later start of the copy, in the other stack
+        handle.write(json.dumps({**start, "start": start["start"] + 1}) + "\n")
+    try:
+        text, healthy = render_status(run_dir)
+        assert not healthy
+        assert "health: DEGRADED (0 events)" in text
+        assert "active: the environment differs from the last good run's (breaking; see what changed)" in text
+        assert "torch.version: " in text and "-> 2.11.0+cu130" in text
+    finally:
+        shutil.rmtree(run_dir)  # other tests look for siblings of the healthy run
+
+
 def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Path) -> None:
     """A sibling run with another torch and learning rate, slow steps and growing memory."""
     run_dir = healthy_run.parent / "degraded"

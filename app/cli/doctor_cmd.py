@@ -40,7 +40,10 @@ def doctor(
     ] = None,
     against: Annotated[
         Path | None,
-        typer.Option("--against", help="A recorded fingerprint: a JSON file or a run directory holding one."),
+        typer.Option(
+            "--against",
+            help="A recorded fingerprint: a JSON file, or a run directory (compared at its last good start).",
+        ),
     ] = None,
     config: Annotated[
         str | None,
@@ -48,10 +51,11 @@ def doctor(
     ] = None,
 ) -> None:
     """Fingerprint the environment (torch/CUDA/triton/transformers, GPUs, uv.lock, stray packages, caches)."""
-    from app.env import assess, collect_fingerprint, diff_fingerprints, load_fingerprint, save_fingerprint
+    from app.env import assess, collect_fingerprint, diff_fingerprints, recorded_fingerprint, save_fingerprint
 
     # Load first: a bad --against path or config is a usage error and should not cost a fingerprint.
-    recorded = load_fingerprint(against) if against is not None else None
+    # A run directory is compared at its last good start, not at a drifted resume after it.
+    recorded, recorded_as = recorded_fingerprint(against) if against is not None else (None, "")
     run_config = _load_run_config(config)
     fingerprint = collect_fingerprint()
     if save is not None:
@@ -65,13 +69,13 @@ def doctor(
         breaking = any(difference.breaking for difference in differences)
         if as_json:
             report = {
-                "against": str(against),
+                "against": recorded_as,
                 "breaking": breaking,
                 "differences": [d.to_dict() for d in differences],
             }
             print(json.dumps(report, indent=2, default=str))
         else:
-            _print_diff(Console(width=max(Console().width, 160)), str(against), differences, findings)
+            _print_diff(Console(width=max(Console().width, 160)), recorded_as, differences, findings)
         raise typer.Exit(1 if breaking else 0)
 
     if as_json:
@@ -159,6 +163,8 @@ def _print_report(console: Console, fingerprint: dict[str, Any], findings: list[
         console.print(
             f"[{_LEVEL_STYLE[finding.level]}]{finding.level}[/]: {finding.message}", highlight=False
         )
+        if finding.fix:
+            console.print(f"  fix: {finding.fix}", highlight=False)
     problems = sum(finding.level == "problem" for finding in findings)
     warnings = sum(finding.level == "warning" for finding in findings)
     if problems:

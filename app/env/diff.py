@@ -9,8 +9,11 @@ It is **cosmetic** when it names the same stack on another box or at another tim
 kernel, timestamps, the Python patch release, the driver version (a driver too old for the CUDA build
 fails loudly at start, it does not degrade silently), how many GPUs are visible (the run config decides
 how many a run uses; the compile cache is per GPU model, not per count), GPU memory (set by the model),
-the git revision (code changes are keyed by the compile cache's own code hash), and cache paths
-(`dflash doctor` warns about /tmp on its own).
+the git revision (the per-file code hashes say what changed), and cache paths (`dflash doctor`
+warns about /tmp on its own).
+Also breaking: any changed, added or removed file of the appliance's code (named), and a compiler
+variable that disables or degrades compilation (`app.env.compiler_flags`); other compiler variables
+are cosmetic.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from app.env.compiler_flags import DEGRADING, DegradingFlag
 from app.env.packages import core_stack_rank
 
 Fingerprint = dict[str, Any]
@@ -115,6 +119,40 @@ def diff_fingerprints(old: Fingerprint, new: Fingerprint) -> list[Difference]:
             breaking = rule.breaking(before, after) if callable(rule.breaking) else rule.breaking
             differences.append(Difference(rule.field, before, after, breaking, rule.why))
     differences += _package_differences(old, new)
+    differences += _code_differences(old, new)
+    differences += _compiler_env_differences(old, new)
+    return differences
+
+
+def _code_differences(old: Fingerprint, new: Fingerprint) -> list[Difference]:
+    """Each changed, added or removed file of the running package (recordings before per-file hashes
+    have no `code` section: nothing to compare)."""
+    before, after = old.get("code"), new.get("code")
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return []
+    return [
+        Difference(f"code.{path}", before.get(path), after.get(path), True,
+                   "the appliance's own code: model, objective or loop may compute differently")
+        for path in sorted(before.keys() | after.keys())
+        if before.get(path) != after.get(path)
+    ]  # fmt: skip
+
+
+def _compiler_env_differences(old: Fingerprint, new: Fingerprint) -> list[Difference]:
+    before, after = old.get("compiler_env"), new.get("compiler_env")
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return []
+    differences = []
+    for name in sorted(before.keys() | after.keys()):
+        if before.get(name) != after.get(name):
+            flag = DEGRADING.get(name)
+            why = flag.why if flag else "a compiler or launch setting that does not degrade compilation"
+            breaking = flag is not None and _degrades(flag, before.get(name)) != _degrades(
+                flag, after.get(name)
+            )
+            differences.append(
+                Difference(f"compiler_env.{name}", before.get(name), after.get(name), breaking, why)
+            )
     return differences
 
 
@@ -136,6 +174,10 @@ def _package_differences(old: Fingerprint, new: Fingerprint) -> list[Difference]
                     Difference(f"packages.{kind}.{name}", before.get(name), after.get(name), True, why)
                 )
     return differences
+
+
+def _degrades(flag: DegradingFlag, value: str | None) -> bool:
+    return value is not None and flag.degrades(value)
 
 
 def _by_name(entries: Any, value_key: str) -> dict[str, Any]:

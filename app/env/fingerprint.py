@@ -1,8 +1,8 @@
 """The environment fingerprint: everything that decides which kernels a run gets, as one JSON dict.
 
-Recorded with every run (`fingerprint.json` in the run directory) and compared by `dflash doctor
---against`, so "what changed since the last good run" is one command instead of hours. Cheap enough to
-call at every start: no network, and every subprocess has a timeout.
+Recorded at every start of a run (`app.env.record`) and compared by `dflash doctor --against`, so
+"what changed since the last good run" is one command instead of hours. Cheap enough to call at
+every start: no network, and every subprocess has a timeout.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from app.atomic import write_json_atomic
+from app.env.compiler_flags import recorded_compiler_env
 from app.env.gpus import probe_gpus
-from app.env.packages import installed_distributions, locked_versions, package_drift
-from app.env.project import find_project_root, git_revision, sha256_of
+from app.env.lock_closure import required_packages
+from app.env.packages import installed_distributions, normalize_name, package_drift, read_lock, versions_in
+from app.env.project import code_hashes, find_project_root, git_revision, sha256_of
 from app.errors import UserError
 
 SCHEMA_VERSION = 1
@@ -66,10 +68,12 @@ def collect_fingerprint(
         "transformers": _distribution_version("transformers"),
         "gpus": probe_gpus(),
         "project": {"root": str(root) if root else None, **git_revision(root)},
+        "code": code_hashes(),
         "lock": lock,
         "packages": _packages_section(lock, search_path),
         "fast_kernels": {module: _kernel_status(module, dist) for module, dist in FAST_KERNELS.items()},
         "compile_cache": _compile_cache_section(),
+        "compiler_env": recorded_compiler_env(),
     }
 
 
@@ -92,14 +96,19 @@ def load_fingerprint(path: str | Path) -> dict[str, Any]:
         fingerprint = json.loads(text)
     except json.JSONDecodeError as error:
         raise UserError(f"{file}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    return checked_fingerprint(fingerprint, str(file))
+
+
+def checked_fingerprint(fingerprint: Any, where: str) -> dict[str, Any]:
+    """`fingerprint` if it is a dflash environment fingerprint of this schema, else a UserError naming `where`."""
     if not isinstance(fingerprint, dict):
-        raise UserError(f"{file}: expected a JSON object (an environment fingerprint)")
+        raise UserError(f"{where}: expected a JSON object (an environment fingerprint)")
     missing = [section for section in REQUIRED_SECTIONS if not isinstance(fingerprint.get(section), dict)]
     if missing:
-        raise UserError(f"{file}: not a dflash environment fingerprint (missing {', '.join(missing)})")
+        raise UserError(f"{where}: not a dflash environment fingerprint (missing {', '.join(missing)})")
     if fingerprint.get("schema") != SCHEMA_VERSION:
         raise UserError(
-            f"{file}: fingerprint schema {fingerprint.get('schema')!r}, expected {SCHEMA_VERSION}"
+            f"{where}: fingerprint schema {fingerprint.get('schema')!r}, expected {SCHEMA_VERSION}"
         )
     return fingerprint
 
@@ -148,10 +157,22 @@ def _packages_section(lock: dict[str, Any], search_path: list[str] | None) -> di
     if lock["sha256"] is None:
         return {"checked": False, "error": f"cannot compare installed packages: {lock['error']}"}
     try:
-        locked = locked_versions(Path(lock["path"]))
+        parsed = read_lock(Path(lock["path"]))
     except UserError as error:
         return {"checked": False, "error": str(error)}
-    return {"checked": True, "error": None, **package_drift(locked, installed_distributions(search_path))}
+    installed = installed_distributions(search_path)
+    names = {normalize_name(dist.name) for dist in installed}
+    missing = [
+        {"name": name, "locked": sorted(versions)}
+        for name, versions in sorted(required_packages(parsed, names).items())
+        if name not in names
+    ]
+    return {
+        "checked": True,
+        "error": None,
+        **package_drift(versions_in(parsed), installed),
+        "missing": missing,
+    }
 
 
 def _kernel_status(module: str, distribution: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """What is wrong with one environment on its own, before any comparison with a recorded run.
 
-A **problem** means this is not the locked training stack (exit 1 from `dflash doctor`); a **warning**
-is a risk to a run's speed or its caches; **info** is worth knowing (no GPU, absent optional kernels).
+A **problem** means this is not the locked training stack (exit 1 from `dflash doctor`; `dflash train`
+refuses to start); a **warning** is a risk to a run's speed or its caches; **info** is worth knowing
+(no GPU, absent optional kernels). Every problem and warning says the command that fixes it.
 """
 
 from __future__ import annotations
@@ -9,15 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from app.env.compiler_flags import degrading_flags
+from app.env.fingerprint import FAST_KERNELS
 from app.env.packages import is_core_stack
 
 Level = Literal["problem", "warning", "info"]
+SYNC = "./uvw sync (in the image: rebuild it from uv.lock)"
+"""The fix for a venv that is not uv.lock: uv sync installs exactly the lock and removes the rest."""
 
 
 @dataclass(frozen=True)
 class Finding:
     level: Level
     message: str
+    fix: str | None = None
+    """The command or change that removes the finding."""
+
+    def line(self) -> str:
+        return f"{self.message}; fix: {self.fix}" if self.fix else self.message
 
 
 def assess(fingerprint: dict[str, Any]) -> list[Finding]:
@@ -25,6 +35,7 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
     found = [
         *_torch_findings(fingerprint),
         *_package_findings(fingerprint),
+        *_compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
         *_gpu_findings(fingerprint),
         *_kernel_findings(fingerprint),
@@ -39,14 +50,19 @@ def has_problems(fingerprint: dict[str, Any]) -> bool:
 
 def _torch_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     error = fingerprint["torch"].get("import_error")
-    return [Finding("problem", f"torch does not import: {error}")] if error else []
+    fix = "./uvw sync --reinstall-package torch (in the image: rebuild it)"
+    return [Finding("problem", f"torch does not import: {error}", fix)] if error else []
 
 
 def _package_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     packages = fingerprint["packages"]
     if not packages.get("checked"):
         return [
-            Finding("problem", packages.get("error") or "installed packages were not checked against uv.lock")
+            Finding(
+                "problem",
+                packages.get("error") or "installed packages were not checked against uv.lock",
+                "run from the project checkout (pyproject.toml and uv.lock) or the image",
+            )
         ]
     found = []
     inference = [entry for entry in packages["stray"] if entry["inference_stack"]]
@@ -57,31 +73,56 @@ def _package_findings(fingerprint: dict[str, Any]) -> list[Finding]:
                 "problem",
                 f"inference-stack packages in the training environment: {_listed(inference, 'version', len(inference))}"
                 " (they bring their own torch/CUDA builds; run them in the datagen container)",
+                SYNC,
             )
         )
     if other:
-        found.append(Finding("problem", f"{len(other)} packages not in uv.lock: {_listed(other, 'version')}"))
+        found.append(
+            Finding("problem", f"{len(other)} packages not in uv.lock: {_listed(other, 'version')}", SYNC)
+        )
+    missing = packages.get("missing") or []
+    if missing:
+        found.append(
+            Finding(
+                "problem",
+                f"uv.lock differs from what is installed: {len(missing)} packages it installs here are absent: "
+                + _listed([{**entry, "locked": " or ".join(entry["locked"])} for entry in missing], "locked"),
+                SYNC,
+            )
+        )
     # The packages that decide kernels get a line each; a long tail of off-lock utilities gets one line.
     core = [entry for entry in packages["mismatched"] if is_core_stack(entry["name"])]
     rest = [entry for entry in packages["mismatched"] if not is_core_stack(entry["name"])]
     for entry in core:
         locked = " or ".join(entry["locked"])
         found.append(
-            Finding("problem", f"{entry['name']} {entry['installed']} installed, uv.lock pins {locked}")
+            Finding("problem", f"{entry['name']} {entry['installed']} installed, uv.lock pins {locked}", SYNC)
         )
     if rest:
         found.append(
             Finding(
                 "problem",
                 f"{len(rest)} more packages at other versions than uv.lock: {_listed(rest, 'installed')}",
+                SYNC,
             )
         )
     for entry in packages["duplicates"]:
         versions = ", ".join(entry["versions"])
         found.append(
-            Finding("problem", f"{entry['name']} installed {len(entry['versions'])} times: {versions}")
+            Finding(
+                "problem",
+                f"{entry['name']} installed {len(entry['versions'])} times: {versions}",
+                f"remove the copies outside the venv ({', '.join(entry['locations'][1:])}), then {SYNC}",
+            )
         )
     return found
+
+
+def _compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    return [
+        Finding("problem", f"{flag.name}={value}: {flag.why}", f"unset {flag.name}")
+        for flag, value in degrading_flags(fingerprint.get("compiler_env") or {})
+    ]
 
 
 def _cache_findings(fingerprint: dict[str, Any]) -> list[Finding]:
@@ -92,8 +133,8 @@ def _cache_findings(fingerprint: dict[str, Any]) -> list[Finding]:
             found.append(
                 Finding(
                     "warning",
-                    f"{kind} cache {cache[f'{kind}_dir']} is under /tmp, where cleanups delete compiled kernels; "
-                    f"set {variable} to a persistent directory",
+                    f"{kind} cache {cache[f'{kind}_dir']} is under /tmp, where cleanups delete compiled kernels",
+                    f"export {variable}=~/.cache/dflash/{kind} (or another persistent directory)",
                 )
             )
     return found
@@ -112,11 +153,19 @@ def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     found = []
     for module, status in kernels.items():
         if status.get("error"):
-            found.append(Finding("warning", f"{module} is installed but does not import: {status['error']}"))
+            found.append(
+                Finding(
+                    "warning",
+                    f"{module} is installed but does not import: {status['error']}",
+                    f"./uvw sync --group gpu --reinstall-package {FAST_KERNELS.get(module, module)}",
+                )
+            )
         elif not status.get("present"):
             found.append(
                 Finding(
-                    "info", f"{module} absent: Qwen3.5/3.6 hybrid targets would run the slow reference path"
+                    "info",
+                    f"{module} absent: Qwen3.5/3.6 hybrid targets would run the slow reference path",
+                    "./uvw sync --group gpu (on a CUDA machine; the GPU image has them)",
                 )
             )
     return found

@@ -65,11 +65,8 @@ class InstalledDistribution:
     location: str
 
 
-def locked_versions(lock_path: Path) -> dict[str, set[str]]:
-    """Normalized package name -> every version uv.lock pins for it (one per platform/Python fork).
-
-    An empty set means the lock names the package without a version (a virtual or path source).
-    """
+def read_lock(lock_path: Path) -> dict:
+    """uv.lock parsed, or a one-line UserError naming the file."""
     try:
         lock = tomllib.loads(lock_path.read_text(encoding="utf-8"))
     except OSError as error:
@@ -79,10 +76,23 @@ def locked_versions(lock_path: Path) -> dict[str, set[str]]:
     packages = lock.get("package")
     if not isinstance(packages, list):
         raise UserError(f"{lock_path}: no [[package]] entries; expected a uv.lock")
-    versions: dict[str, set[str]] = {}
     for index, package in enumerate(packages):
         if not isinstance(package, dict) or not isinstance(package.get("name"), str):
             raise UserError(f"{lock_path}: [[package]] entry {index} has no name")
+    return lock
+
+
+def locked_versions(lock_path: Path) -> dict[str, set[str]]:
+    """Normalized package name -> every version uv.lock pins for it (one per platform/Python fork).
+
+    An empty set means the lock names the package without a version (a virtual or path source).
+    """
+    return versions_in(read_lock(lock_path))
+
+
+def versions_in(lock: dict) -> dict[str, set[str]]:
+    versions: dict[str, set[str]] = {}
+    for package in lock["package"]:
         pinned = versions.setdefault(normalize_name(package["name"]), set())
         if isinstance(package.get("version"), str):
             pinned.add(package["version"])

@@ -42,6 +42,20 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def code_hashes(package_dir: Path | None = None) -> dict[str, str]:
+    """sha256 (first 16 hex digits) of every Python file of the running package, by relative path.
+
+    The package that runs, not the checkout: in an image it is installed in site-packages. A git
+    revision says nothing about an edited file; this names it.
+    """
+    package = package_dir if package_dir is not None else Path(__file__).resolve().parents[1]
+    return {
+        path.relative_to(package).as_posix(): sha256_of(path)[:16]
+        for path in sorted(package.rglob("*.py"))
+        if "__pycache__" not in path.parts
+    }
+
+
 def git_revision(root: Path | None) -> dict:
     """HEAD's commit and whether tracked files differ from it; nulls outside a git checkout."""
     if root is None or not (root / ".git").exists() or shutil.which("git") is None:

@@ -2,7 +2,8 @@
 
 Layout below the prefix (the run directory's own):
 
-    config.json fingerprint.json status.json metrics.jsonl wandb_id     run files, refreshed every round
+    config.json fingerprint.json environment.jsonl status.json          run files, refreshed every round
+    metrics.jsonl wandb_id
     checkpoints/step_00000500/<files>                                   uploaded and verified first,
     checkpoints/step_00000500/manifest.json                             then the manifest,
     checkpoints/latest                                                  then the pointer
@@ -40,6 +41,7 @@ from app.storage.s3 import (
 RUN_FILES = (
     "config.json",
     "fingerprint.json",
+    "environment.jsonl",
     "status.json",
     STORAGE_STATE_FILE,
     "metrics.jsonl",

@@ -8,7 +8,7 @@ slow work goes to a background thread, and failures become warnings.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,9 @@ class RunStart:
     compile_report: dict[str, Any]
     """What train start did about compilation (`CompileReport.to_dict()`: cache key, loaded or not,
     warm-up counters, the loaded cache's measured step time)."""
+    environment: dict[str, Any] = field(default_factory=dict)
+    """This start in the run's environment record: its number and what it accepted
+    (`train.allow_environment_drift`); anything accepted makes the run DEGRADED."""
 
 
 class Reporter(Protocol):

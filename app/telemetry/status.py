@@ -116,6 +116,10 @@ class StatusFile:
             "attempts": attempts,
         }
         self.status["health"]["event_count"] = previous.get("health", {}).get("event_count", 0)
+        self.status["environment"] = start.environment
+        # A start that accepted a drifted environment is degraded for all of this attempt.
+        accepted = start.environment.get("accepted", [])
+        self._add_events(self.status["progress"]["step"], [f"environment: {line}" for line in accepted])
         self.write()
 
     def on_log(self, record: dict[str, Any]) -> None:
@@ -128,18 +132,19 @@ class StatusFile:
         self.status["throughput"] = self._throughput()
         self.status["memory_gb"] = record.get("memory_gb")
         events = record.get("events") or []
+        self._add_events(record["step"], events)
+        if events or record["step"] - self.written_step >= self.every:
+            self.write()
+
+    def _add_events(self, step: int, events: list[str]) -> None:
         health = self.status["health"]
+        attempt = len(self.status["attempts"])
         health["events"] = [
             *health["events"],
-            *(
-                {"step": record["step"], "attempt": len(self.status["attempts"]), "message": e}
-                for e in events
-            ),
+            *({"step": step, "attempt": attempt, "message": event} for event in events),
         ][-EVENTS_KEPT:]
         health["event_count"] += len(events)
         self.attempt_events += len(events)
-        if events or record["step"] - self.written_step >= self.every:
-            self.write()
 
     def on_checkpoint(self, path: Path, step: int) -> None:
         self.status["last_checkpoint"] = {"path": str(path), "step": step, "at": now_iso()}

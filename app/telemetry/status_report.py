@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.env import Difference, diff_fingerprints, load_fingerprint
+from app.env import Difference, diff_fingerprints, latest_fingerprint, recorded_fingerprint
 from app.errors import UserError
 from app.telemetry.logline import format_duration
 from app.telemetry.status import read_status, seconds_since
@@ -64,7 +64,9 @@ def compare_runs(run_dir: Path, against: Path, chosen_by: str) -> Comparison:
         comparison.status = None
     problems = []
     try:
-        comparison.environment = diff_fingerprints(load_fingerprint(against), load_fingerprint(run_dir))
+        # The other run at its last good start; this one as it runs now (its newest start).
+        reference, _ = recorded_fingerprint(against)
+        comparison.environment = diff_fingerprints(reference, latest_fingerprint(run_dir))
     except UserError as error:
         problems.append(str(error))
     try:
@@ -108,9 +110,11 @@ def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool
         lines.append(
             f"earlier attempt: {attempt.get('exit_reason')} at step {attempt.get('step')} ({attempt.get('finished_at') or '?'})"
         )
-    lines += ["", *_health_lines(status), "", *_change_lines(comparison), "", *_checkpoint_lines(status)]
+    drifted = comparison is not None and any(d.breaking for d in comparison.environment)
+    lines += ["", *_health_lines(status, drifted), "", *_change_lines(comparison), ""]
+    lines += _checkpoint_lines(status)
     lines += ["", "next:", *(f"  - {step}" for step in next_steps(run_dir, status, comparison, stale_s))]
-    healthy = status.get("health", {}).get("state") == "healthy" and stale_s is None
+    healthy = status.get("health", {}).get("state") == "healthy" and stale_s is None and not drifted
     return "\n".join(lines) + "\n", healthy
 
 
@@ -181,10 +185,17 @@ def _throughput_line(status: dict[str, Any], comparison: Comparison | None) -> s
     return line
 
 
-def _health_lines(status: dict[str, Any]) -> list[str]:
+def _health_lines(status: dict[str, Any], drifted: bool) -> list[str]:
+    """`drifted`: the environment differs in a breaking way from the last good run's: whatever the run
+    itself saw, its numbers and speed are not comparable with that run's."""
     health = status.get("health", {})
     events, count = health.get("events", []), health.get("event_count", 0)
-    lines = [f"health: {str(health.get('state', '?')).upper()} ({count} event{'s' * (count != 1)})"]
+    state = "degraded" if drifted and health.get("state") == "healthy" else health.get("state", "?")
+    lines = [f"health: {str(state).upper()} ({count} event{'s' * (count != 1)})"]
+    if drifted:
+        lines.append(
+            "  active: the environment differs from the last good run's (breaking; see what changed)"
+        )
     lines += [f"  active: {condition}" for condition in health.get("active", [])]
     if count > len(events[-EVENTS_SHOWN:]):
         lines.append(f"  (the last {len(events[-EVENTS_SHOWN:])} of {count})")

@@ -1,0 +1,70 @@
+"""Environment variables that decide how torch compiles and launches kernels.
+
+They never show in the package list, yet `TORCHDYNAMO_DISABLE=1` left in a shell profile runs every
+kernel eager and `TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` makes every start ignore the baked compile
+cache. The fingerprint records every variable of these families; the ones in `DEGRADING` are
+problems a run refuses to start with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+RECORDED_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_", "PYTORCH_")
+RECORDED_NAMES = ("TORCH_LOGS", "CUDA_LAUNCH_BLOCKING", "NVIDIA_TF32_OVERRIDE")
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class DegradingFlag:
+    name: str
+    degrades_when: Literal["set", "off"]
+    """"set": any true value degrades (a switch that disables or slows); "off": turning it off does."""
+    why: str
+
+    def degrades(self, value: str) -> bool:
+        off = value.strip().lower() in _FALSE
+        return off if self.degrades_when == "off" else not off
+
+
+DEGRADING = {
+    flag.name: flag
+    for flag in (
+        DegradingFlag("TORCHDYNAMO_DISABLE", "set", "torch.compile is disabled: every kernel runs eager"),
+        DegradingFlag("TORCH_COMPILE_DISABLE", "set", "torch.compile is disabled: every kernel runs eager"),
+        DegradingFlag("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "set",
+                      "inductor ignores every cache: the baked compile cache is unused, each start compiles"),
+        DegradingFlag("TORCHINDUCTOR_FX_GRAPH_CACHE", "off", "the FX graph cache is off: the baked cache is unused"),
+        DegradingFlag("TORCHINDUCTOR_AUTOGRAD_CACHE", "off", "the autograd cache is off: the baked cache is unused"),
+        DegradingFlag("TORCHINDUCTOR_MAX_AUTOTUNE", "set",
+                      "other kernels than the baked ones, after minutes of autotuning at start"),
+        DegradingFlag("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "set", "other matmul kernels than the baked ones"),
+        DegradingFlag("TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE", "set", "other pointwise kernels than the baked ones"),
+        DegradingFlag("TORCH_COMPILE_DEBUG", "set", "every compile writes debug traces"),
+        DegradingFlag("TRITON_INTERPRET", "set", "Triton kernels run in the Python interpreter"),
+        DegradingFlag("CUDA_LAUNCH_BLOCKING", "set", "every kernel launch waits for the GPU"),
+        DegradingFlag("PYTORCH_NO_CUDA_MEMORY_CACHING", "set", "no caching allocator: a cudaMalloc per tensor"),
+    )
+}  # fmt: skip
+
+
+def recorded_compiler_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Every compiler and launch variable set in `environ` (default: this process), sorted by name."""
+    environ = os.environ if environ is None else environ
+    return {
+        name: environ[name]
+        for name in sorted(environ)
+        if name.startswith(RECORDED_PREFIXES) or name in RECORDED_NAMES
+    }
+
+
+def degrading_flags(recorded: Mapping[str, str]) -> list[tuple[DegradingFlag, str]]:
+    """The recorded variables whose value disables or degrades compilation, with their values."""
+    return [
+        (DEGRADING[name], value)
+        for name, value in recorded.items()
+        if name in DEGRADING and DEGRADING[name].degrades(value)
+    ]

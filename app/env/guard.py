@@ -1,0 +1,86 @@
+"""The environment check every training process runs at start, before anything heavy loads.
+
+Two kinds of finding refuse a start: the doctor's problems (not the locked stack: an inference-stack
+or stray package, a version the lock does not pin, a package the lock installs that is absent, a
+compiler flag that disables or degrades compilation), and on a resume every breaking difference from
+the run's last good start (another torch build, an edited file of the appliance). The refusal names
+each finding and its fix in a line. `train.allow_environment_drift` runs anyway; the start then records
+what it accepted and the run's status says DEGRADED.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.env.diff import Difference, diff_fingerprints
+from app.env.fingerprint import collect_fingerprint
+from app.env.health import Finding, assess
+from app.env.record import StartRecord, last_good_start
+from app.errors import UserError
+
+ALLOW_SETTING = "train.allow_environment_drift"
+LINES_SHOWN = 12
+"""Findings listed in a refusal; a polluted venv's hundred package differences end in one "more" line."""
+
+
+@dataclass(frozen=True)
+class EnvironmentCheck:
+    """What the start found: the fingerprint it recorded and what it ran despite (nothing: a good start)."""
+
+    fingerprint: dict[str, Any]
+    problems: list[Finding] = field(default_factory=list)
+    drift: list[Difference] = field(default_factory=list)
+    since: StartRecord | None = None
+    """The run's last good start that `drift` compares with (a resume only)."""
+
+    @property
+    def accepted(self) -> list[str]:
+        """One line per finding the start was allowed to run despite."""
+        lines = [finding.line() for finding in self.problems]
+        if self.since is not None:
+            lines += [
+                f"since {self.since.describe()}: {d.field} {_shown(d.old)} -> {_shown(d.new)} ({d.why})"
+                for d in self.drift
+            ]
+        return lines
+
+
+def check_environment(run_dir: Path | None, *, resume: bool, allow_drift: bool) -> EnvironmentCheck:
+    """Fingerprint this process and refuse a start in a drifted environment unless `allow_drift`.
+
+    `run_dir`: where the run's record lives (None on a rank that does not read it, e.g. a target rank
+    on another node); on a resume its last good start is the reference.
+    """
+    fingerprint = collect_fingerprint()
+    problems = [finding for finding in assess(fingerprint) if finding.level == "problem"]
+    since = last_good_start(run_dir) if resume and run_dir is not None else None
+    drift = [d for d in diff_fingerprints(since.fingerprint, fingerprint) if d.breaking] if since else []
+    check = EnvironmentCheck(fingerprint, problems, drift, since)
+    if check.accepted and not allow_drift:
+        raise UserError(_refusal(check, run_dir))
+    return check
+
+
+def _refusal(check: EnvironmentCheck, run_dir: Path | None) -> str:
+    lines = check.accepted
+    shown = [f"  - {line}" for line in lines[:LINES_SHOWN]]
+    if len(lines) > LINES_SHOWN:
+        shown.append(f"  - ... and {len(lines) - LINES_SHOWN} more (`dflash doctor`)")
+    if check.drift:
+        shown.append(
+            f"  restore the recorded stack (`dflash doctor --against {run_dir}` lists every difference), "
+            "or start a new run in another train.output_dir"
+        )
+    return "\n".join(
+        [
+            f"the environment is not one this run may train in ({len(lines)} finding{'s' * (len(lines) != 1)}):",
+            *shown,
+            f"to train anyway, set {ALLOW_SETTING}=true (the run's status then says DEGRADED)",
+        ]
+    )
+
+
+def _shown(value: Any) -> str:
+    return "(absent)" if value is None else str(value)
