@@ -5,11 +5,17 @@ step on CPU) and a reporter that preempts the run at a given step."""
 from __future__ import annotations
 
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from app.config import RunConfig, load_config, validate_config
 from app.config.schema import BUILTIN_TARGETS
@@ -113,7 +119,58 @@ def random_target_config(tokenizer_dir: Path, data: Path, run_dir: Path, **train
     return validate_config(raw)
 
 
-def run_dflash(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """`python -m app ARGS` from the repository root: the CLI as a user runs it, exit code included."""
+def run_dflash(
+    *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python -m app ARGS` from the repository root: the CLI as a user runs it, exit code included.
+    `env`: variables added to this process's environment."""
     command = [sys.executable, "-m", "app", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    environment = {**os.environ, **env} if env else None
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=environment)
+
+
+def run_dflash_with_file_size_limit(
+    limit: int, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`run_dflash` with no file of the process allowed past `limit` bytes (RLIMIT_FSIZE): a write
+    beyond it fails with the real OS error EFBIG, as a full disk fails one with ENOSPC."""
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG, not the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    command = [sys.executable, "-m", "app", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, preexec_fn=limit_file_size
+    )
+
+
+@contextmanager
+def unwritable_directory(path: Path) -> Iterator[Path]:
+    """`path`, created, made unwritable for this process: mode 0555, and for root (whom modes do not
+    stop) also the immutable attribute; skips the test where neither stops a write."""
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o555)
+    chattr = shutil.which("chattr")
+    immutable = bool(
+        os.geteuid() == 0
+        and chattr
+        and subprocess.run([chattr, "+i", path], capture_output=True).returncode == 0
+    )
+    try:
+        if _can_create_a_file_in(path):
+            pytest.skip("no way to make a directory unwritable here (root, and chattr +i is refused)")
+        yield path
+    finally:
+        if immutable:
+            subprocess.run([chattr, "-i", path], check=True)
+        path.chmod(0o755)
+
+
+def _can_create_a_file_in(directory: Path) -> bool:
+    try:
+        (directory / "probe").touch()
+    except OSError:
+        return False
+    (directory / "probe").unlink()
+    return True

@@ -20,10 +20,13 @@ from app.model.attention import UncompiledKernelOnCudaError
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import chunked_lm_head_ce
 from app.train.step import BorrowedHeads, DrafterStep
-from app.train.trainer import Trainer
+from app.train.trainer import NonFiniteLoss, Trainer
 from tests.helpers import random_target_config, run_dflash, small_drafter_raw_config
 
 pytestmark = pytest.mark.gpu
+# The tier tests kernels, not the environment (the guard has its own tests): a GPU machine's torch
+# build need not be the lock's, so its runs are let through, recorded as DEGRADED.
+ON_ANY_STACK = {"allow_environment_drift": True}
 
 # Two GPU models of one compute capability (9.0): a cache tuned on one is wrong for the other.
 SAME_CAPABILITY = {"NVIDIA H200": "NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3": "NVIDIA H200"}
@@ -63,6 +66,7 @@ def test_training_compiles_once_then_a_new_shape_is_refused(
         precision="bf16",
         max_steps=6,
         eval_every=0,
+        **ON_ANY_STACK,
     )
     config.compile.cache_dir = str(persistent_tmp / "compile_cache")
     config.compile.inductor_dir = str(persistent_tmp / "inductor")
@@ -115,8 +119,9 @@ def test_build_cache_then_a_fresh_process_starts_warm(
     """`dflash build-cache` bakes what the run's step compiles and its step time; `dflash train` in a
     fresh process loads it and compiles nothing (every inductor and autograd lookup a hit)."""
     config = random_target_config(
-        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", device="cuda", precision="bf16", max_steps=3
-    )
+        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", device="cuda", precision="bf16", max_steps=3,
+        **ON_ANY_STACK,
+    )  # fmt: skip
     config.compile.cache_dir = str(persistent_tmp / "compile_cache")
     config.compile.inductor_dir = str(persistent_tmp / "inductor")
     config.compile.on_cache_miss = "abort"
@@ -131,3 +136,25 @@ def test_build_cache_then_a_fresh_process_starts_warm(
     hits = re.search(r"inductor hit/miss/bypass (\d+)/0/0, autograd hit/miss/bypass (\d+)/0/0", warm_up)
     assert hits and int(hits.group(1)) > 0 and int(hits.group(2)) > 0, warm_up
     assert f"compile cache: loaded {result.entry.key}" in done.stdout
+
+
+def test_a_non_finite_step_is_skipped_on_the_device(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
+) -> None:
+    """On CUDA the fused AdamW skips the non-finite step and all after it (its found_inf is the step's
+    device-side flag, no host sync): the weights and moments in memory stay finite."""
+    config = random_target_config(
+        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", device="cuda", precision="bf16",
+        max_steps=6, save_every=100, eval_every=0, lr=1e12, warmup_ratio=0, grad_clip=1e30, **ON_ANY_STACK,
+    )  # fmt: skip
+    config.telemetry.log_every = 100
+    config.compile.cache_dir = str(persistent_tmp / "compile_cache")
+    config.compile.inductor_dir = str(persistent_tmp / "inductor")
+    trainer = Trainer(config, log=lambda line: None)
+    assert trainer.optimizer.defaults["fused"]
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss at step [1-5] "):
+        trainer.run()
+    assert not trainer.drafter_step.finite.item()
+    assert all(torch.isfinite(parameter).all() for parameter in trainer.drafter.parameters())
+    moments = [value for state in trainer.optimizer.state.values() for value in state.values()]
+    assert moments and all(torch.isfinite(value).all() for value in moments)

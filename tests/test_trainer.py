@@ -6,19 +6,28 @@ import copy
 import json
 import os
 import re
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.checkpoint.store import checkpoint_root, complete_checkpoints
+from app.checkpoint.store import checkpoint_root, complete_checkpoints, verify_checkpoint
 from app.checkpoint.writer import CheckpointWriteError
 from app.config import load_config
 from app.errors import UserError
 from app.model.objective import drafter_loss
+from app.train.schedule import learning_rate
 from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
-from tests.helpers import StopAtStep, random_target_config, small_config
+from tests.helpers import (
+    SMALL,
+    StopAtStep,
+    random_target_config,
+    run_dflash_with_file_size_limit,
+    small_config,
+    unwritable_directory,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "tiny_loss_curve.json"
@@ -297,3 +306,97 @@ def test_a_non_finite_step_is_never_checkpointed(tiny_lm_dir, tiny_conversations
     for path in saved:
         weights = load_file(path / "model.safetensors")
         assert all(torch.isfinite(tensor).all() for tensor in weights.values()), path.name
+
+
+def test_a_non_finite_step_changes_no_weight(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
+    """The first non-finite step and every one after it skip the optimizer step on the device: when
+    the run stops (here at its only look, the last step), the weights and AdamW moments in memory
+    are still finite."""
+    config = small_config(
+        tiny_conversations, tmp_path, "train.max_steps=6", "train.save_every=100", "telemetry.log_every=100",
+        "train.lr=1e12", "train.warmup_ratio=0", "train.grad_clip=1e30",
+    )  # fmt: skip
+    trainer = Trainer(config, log=quiet)
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss at step [1-5] "):
+        trainer.run()
+    assert not trainer.drafter_step.finite
+    assert all(torch.isfinite(parameter).all() for parameter in trainer.drafter.parameters())
+    moments = [value for state in trainer.optimizer.state.values() for value in state.values()]
+    assert moments and all(torch.isfinite(value).all() for value in moments)
+
+
+@pytest.mark.parametrize("where", ["under a file", "read-only"])
+def test_an_unwritable_output_dir_is_refused_before_anything_loads(tmp_path: Path, where: str) -> None:
+    """Refused in one line naming train.output_dir, before the (missing) data is even looked at: not
+    hours later, when the first checkpoint is written."""
+    missing_data = tmp_path / "no-such-data.jsonl"
+    if where == "under a file":
+        (tmp_path / "notes.txt").write_text("")
+        run_dir = nullcontext(tmp_path / "notes.txt" / "run")
+        expected = r".*/notes.txt/run: .*/notes.txt is a file, not a directory$"
+    else:
+        run_dir = unwritable_directory(tmp_path / "run")
+        expected = r".*/run: cannot create or write files there \("
+    with run_dir as path, pytest.raises(UserError, match=rf"^train.output_dir = {expected}"):
+        Trainer(small_config(missing_data, path), log=quiet)
+
+
+def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_keeping_the_previous_one(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """The second checkpoint's write fails for real (a file size limit gives EFBIG, as a full disk
+    gives ENOSPC): exit 2 with one line naming that checkpoint, the OS error and the one kept; no
+    partial checkpoint is left, `latest` stays on the first, and --resume from it trains on."""
+    config = small_config(tiny_conversations, tmp_path, "train.max_steps=4")
+    with pytest.raises(TrainingStopped):
+        Trainer(config, log=quiet, reporters=[StopAtStep(2)]).run()
+    root = checkpoint_root(tmp_path)
+    first = root / "step_00000002"
+    sizes = {path.name: path.stat().st_size for path in first.iterdir()}
+    limit = (sizes["model.safetensors"] + sizes["optimizer.pt"]) // 2  # the weights fit, not the optimizer
+    assert sizes["model.safetensors"] < limit < sizes["optimizer.pt"]
+
+    overrides = [
+        f"data.train_files=['{tiny_conversations}']",
+        f"train.output_dir={tmp_path}",
+        "train.max_steps=4",
+    ]
+    done = run_dflash_with_file_size_limit(
+        limit, "train", "configs/tiny.toml", *SMALL, *overrides, "--resume"
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert sum(line.startswith("dflash:") for line in done.stderr.splitlines()) == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"dflash: error: checkpoint of step 4 in {root} could not be written (File too large); the previous "
+        "checkpoint step_00000002 is kept: free space (or raise the quota or file size limit), then "
+        "continue with --resume"
+    )
+    assert sorted(path.name for path in root.iterdir()) == ["latest", "step_00000002"]  # no staging left
+    assert (root / "latest").read_text() == "step_00000002"
+    assert verify_checkpoint(first) is None
+
+    resumed = Trainer(config, resume=True, log=quiet)
+    assert resumed.step == 2
+    assert resumed.run().steps == 4
+
+
+def test_a_resume_keeps_the_schedule_or_refuses_a_change(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """A resume with another train.max_steps (or warm-up) would recompute every remaining learning
+    rate: refused, naming the change and how to take it on purpose; `train.reschedule` follows it."""
+    Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=2"), log=quiet).run()
+    with pytest.raises(
+        UserError, match=r"cannot resume: the learning-rate schedule would change \(total_steps 2 -> 4;"
+    ):
+        Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=4"), resume=True, log=quiet)
+    with pytest.raises(UserError, match=r"\(warmup_ratio 0.05 -> 0.5;.*set train.reschedule=true"):
+        Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=2", "train.warmup_ratio=0.5"),
+                resume=True, log=quiet)  # fmt: skip
+    lines: list[str] = []
+    rescheduled = small_config(tiny_conversations, tmp_path, "train.max_steps=4", "train.reschedule=true")
+    trainer = Trainer(rescheduled, resume=True, log=lines.append)
+    assert any("the learning rate follows the new schedule (total_steps 2 -> 4)" in line for line in lines)
+    assert trainer.run().steps == 4
+    assert trainer.optimizer.param_groups[0]["lr"] == learning_rate(3, 4, rescheduled.train)

@@ -264,6 +264,16 @@ class TrainConfig(Section):
     eval_max_new_tokens: int = Field(64, ge=1)
     """Tokens generated per eval prompt."""
 
+    reschedule: bool = False
+    """On `--resume`, follow this config's learning-rate schedule (total steps from epochs, max_steps
+    and the ranks; lr, warm-up, decay) from the resumed step on, even where it differs from the
+    checkpoint's. Without this a resume that would change the schedule is refused."""
+
+    allow_environment_drift: bool = False
+    """Train even when the environment is not the locked stack (`dflash doctor` problems) or, on a
+    resume, differs in a breaking way from the run's last good start. The start records what it
+    accepted and the run's status says DEGRADED; without this a drifted start is refused."""
+
 
 class TopologyConfig(Section):
     """How the ranks launched by torchrun split into target and drafter roles."""

@@ -1,7 +1,8 @@
 """Learning rate as a pure function of the step: linear warmup, then cosine or warmup-stable-decay.
 
 Being a function of the step alone, the schedule resumes exactly from the step counter; there is
-no scheduler state to save.
+no scheduler state to save, only the settings that define it (`schedule_settings`), which a resume
+must find unchanged.
 """
 
 from __future__ import annotations
@@ -26,3 +27,15 @@ def learning_rate(step: int, total_steps: int, train: TrainConfig) -> float:
         return train.lr
     progress = (step - decay_start) / max(1, total_steps - decay_start)
     return train.lr - (train.lr - floor) * min(1.0, progress)
+
+
+def schedule_settings(total_steps: int, train: TrainConfig) -> dict[str, float | int | str]:
+    """Everything `learning_rate` reads besides the step: two runs with equal settings follow one curve."""
+    return {
+        "total_steps": total_steps,
+        "lr": train.lr,
+        "schedule": train.schedule,
+        "warmup_ratio": train.warmup_ratio,
+        "decay_ratio": train.decay_ratio,
+        "min_lr_ratio": train.min_lr_ratio,
+    }

@@ -62,6 +62,10 @@ class DrafterStep:
         self.device = torch.device(device)
         self.optimizer = build_optimizer(drafter, config.train, self.device)
         self._bf16 = self.device.type == "cuda" and config.train.precision == "bf16"
+        self.finite = torch.ones((), dtype=torch.bool, device=self.device)
+        """False (on the device) from the first step whose loss or gradient norm was not finite on:
+        from then on no optimizer step changes the weights, so the run stops (at its next look) with
+        the state of the last good step, never with a non-finite one applied."""
 
     def loss(
         self, batch: FeatureBatch, *, noise_std: float = 0.0, generator: torch.Generator | None = None
@@ -94,12 +98,24 @@ class DrafterStep:
         (out.loss / micro_batches).backward()
         return out
 
-    def apply(self, lr: float) -> torch.Tensor:
+    def apply(self, lr: float, loss: torch.Tensor | None = None) -> torch.Tensor:
         """Clip the accumulated gradients, take the optimizer step at `lr`, clear them; the grad norm
-        (before clipping, on the device: reading it synchronises)."""
+        (before clipping, on the device: reading it synchronises).
+
+        A non-finite gradient norm or `loss` (the step's summed loss) skips this step and every later
+        one without a host sync: on CUDA the fused AdamW reads the `finite` flag as its `found_inf`
+        and leaves weights and moments untouched on the device; on the CPU reading it costs nothing.
+        """
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.train.grad_clip)
-        self.optimizer.step()
+        self.finite &= torch.isfinite(grad_norm)
+        if loss is not None:
+            self.finite &= torch.isfinite(loss)
+        if self.device.type == "cuda":
+            self.optimizer.found_inf = (~self.finite).float()  # type: ignore[attr-defined]
+            self.optimizer.step()
+        elif bool(self.finite):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm

@@ -31,19 +31,14 @@ import torch
 import torch.distributed as dist
 
 from app.atomic import write_json_atomic
-from app.checkpoint.store import (
-    PREFIX,
-    check_run_directory,
-    check_training_signal,
-    checkpoint_root,
-    complete_checkpoints,
-    load_latest_checkpoint,
-)
+from app.checkpoint.store import PREFIX, check_run_directory, checkpoint_root, load_latest_checkpoint
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
 from app.compile.prepare import prepare_compiled_training
 from app.config import RunConfig
 from app.data.batching import BatchPlanner, DataCursor
 from app.data.tokenize import pad_token_id
+from app.env.guard import ALLOW_SETTING, check_environment
+from app.env.record import append_start
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
@@ -62,7 +57,8 @@ from app.pipeline.transport import receive_heads
 from app.telemetry.logline import LogLine
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
 from app.telemetry.session import Telemetry
-from app.train.schedule import learning_rate
+from app.train.resume import check_resumable, refuse_if_all_damaged
+from app.train.schedule import learning_rate, schedule_settings
 from app.train.setup import load_run_data, load_tokenizer, pick_device, training_signal
 from app.train.step import BorrowedHeads, DrafterStep
 
@@ -138,6 +134,12 @@ class Trainer:
         self.run_dir = Path(config.train.output_dir)
         if self.is_logger:
             check_run_directory(self.run_dir, resume)
+        # Before the target and the data load: a drifted environment is refused in seconds, not minutes.
+        self.environment = check_environment(
+            self.run_dir if self.is_logger else None,
+            resume=resume,
+            allow_drift=config.train.allow_environment_drift,
+        )
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
         self.device = runtime.device if runtime is not None else pick_device(config.train.device)
         self.tokenizer = load_tokenizer(config)
@@ -169,6 +171,7 @@ class Trainer:
         resumed = self._resume() if resume and self.is_logger else False
         if runtime is not None:
             resumed = self._agree_on_start(runtime, resumed)
+        self.resumed = resumed
         # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
         self.compile_report = prepare_compiled_training(config, self.drafter_step, log)
         self.telemetry.watch(self.compile_report.health_watches())
@@ -223,7 +226,7 @@ class Trainer:
                 sums += torch.stack(
                     [out.loss.detach().float(), out.acc.float(), out.streak.float(), sums.new_ones(())]
                 )
-        grad_norm = step.apply(learning_rate(self.step, self.total_steps, train))
+        grad_norm = step.apply(learning_rate(self.step, self.total_steps, train), loss=sums[0])
         self.step += 1
         return StepOutput(sums, float(noise_std), grad_norm.detach(), batches.round)
 
@@ -460,6 +463,7 @@ class Trainer:
                 "cursor": self.cursor.state_dict(),
                 "plan": self.planner.fingerprint,
                 "total_steps": self.total_steps,
+                "schedule": schedule_settings(self.total_steps, self.config.train),
                 "signal": self.signal,
                 "batches_per_step": self.rounds.size,
             },
@@ -480,21 +484,17 @@ class Trainer:
         """Load the latest good checkpoint into this rank; False when there is none."""
         checkpoint = load_latest_checkpoint(self.run_dir, map_location=self.device)
         if checkpoint is None:
-            damaged = complete_checkpoints(checkpoint_root(self.run_dir))
-            if damaged:
-                raise UserError(
-                    f"{checkpoint_root(self.run_dir)}: cannot resume: every checkpoint fails verification "
-                    f"({', '.join(path.name for path in damaged)}; the warnings above say why); restore one, "
-                    "or start a new run with another train.output_dir"
-                )
+            refuse_if_all_damaged(self.run_dir)
             self.log(f"no checkpoint in {self.run_dir}; starting from step 0")
             return False
-        check_training_signal(checkpoint.state["signal"], self.signal, checkpoint.path)
-        if checkpoint.state["plan"] != self.planner.fingerprint:
-            raise UserError(
-                f"{checkpoint.path}: cannot resume: the training data or batching settings changed "
-                f"(batch plan {checkpoint.state['plan']} != {self.planner.fingerprint})"
-            )
+        check_resumable(
+            checkpoint,
+            signal=self.signal,
+            plan=self.planner.fingerprint,
+            total_steps=self.total_steps,
+            train=self.config.train,
+            log=self.log,
+        )
         self.drafter.load_state_dict(checkpoint.model_state)
         self.optimizer.load_state_dict(checkpoint.optimizer_state)
         torch.set_rng_state(checkpoint.rng_state["cpu"])
@@ -509,8 +509,8 @@ class Trainer:
         if saved_size != self.rounds.size:
             self.log(
                 f"note: the checkpoint trained {saved_size} batches per step, this run {self.rounds.size} "
-                "(drafter ranks x train.grad_accum): the data continues at the saved position, but the "
-                "learning-rate schedule and steps per epoch change"
+                "(drafter ranks x train.grad_accum): the data continues at the saved position, but "
+                "steps per epoch change"
             )
         return True
 
@@ -526,14 +526,19 @@ class Trainer:
     # ---- run directory ------------------------------------------------------------------------------
 
     def _write_run_files(self) -> None:
-        from app.env import collect_fingerprint, save_fingerprint
-
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config = self.config.model_dump(mode="json")
-        fingerprint = collect_fingerprint()
         write_json_atomic(self.run_dir / "config.json", config)
-        save_fingerprint(fingerprint, self.run_dir / "fingerprint.json")
-        self.telemetry.on_start(RunStart(self.run_dir, config, fingerprint, self.compile_report.to_dict()))
+        check = self.environment
+        start = append_start(
+            self.run_dir, check.fingerprint, step=self.step, accepted=check.accepted, new_run=not self.resumed
+        )
+        for line in start.accepted:
+            self.log(f"warning: DEGRADED start, accepted by {ALLOW_SETTING}: {line}")
+        environment = {"start": start.start, "accepted": start.accepted}
+        self.telemetry.on_start(
+            RunStart(self.run_dir, config, check.fingerprint, self.compile_report.to_dict(), environment)
+        )
 
     def _note(self, line: str) -> None:
         """A line only the logging rank prints (every drafter rank would print the same)."""
