@@ -526,42 +526,12 @@ def test_no_reachable_server_is_a_clear_error(tmp_path: Path) -> None:
         run_datagen(make_config(prompts, tmp_path / "out", [dead]), quiet_console())
 
 
-def test_sigterm_commits_completed_records_and_exits_nonzero(tmp_path: Path) -> None:
-    server = ScriptedServer(delay_s=0.05).start()
-    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(200))
-    output = tmp_path / "out"
-    config = write_run_config(
-        tmp_path / "run.toml",
-        {"prompts": [str(prompts)], "output_dir": str(output), "servers": [server.url], "concurrency": 2,
-         "shard_size": 1000, **FAST},
-    )  # fmt: skip
-    try:
-        run = start_cli(config)
-        wait_for(lambda: len(server.requests) >= 10, 60, "ten answered requests")
-        run.send_signal(signal.SIGTERM)
-        stdout, _ = run.communicate(timeout=30)
-        assert run.returncode == 143, stdout
-        assert "stopped by SIGTERM" in stdout and f"to resume: dflash datagen {config}" in stdout
-        committed = output_rows(output)
-        assert len(committed) >= 8  # one final shard holds what was complete
-        assert (
-            f"done {len(committed)} + failed 0 + skipped 0 + unfinished {200 - len(committed)} == input 200"
-            in stdout
-        )
-
-        second = subprocess.run(
-            [str(DFLASH), "datagen", str(config)], cwd=REPO, capture_output=True, text=True
-        )
-    finally:
-        server.stop()
-    assert second.returncode == 0, second.stdout + second.stderr
-    ids = [row["id"] for row in output_rows(output)]
-    assert len(ids) == len(set(ids)) == 200
-
-
-def test_sighup_commits_completed_records_and_the_resume_command_works(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_commits_completed_records_and_the_resume_command_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, stop: signal.Signals
 ) -> None:
+    """SIGTERM (docker stop) and SIGHUP (the terminal closed) alike: exit 128 + the signal, every
+    finished record committed, and the printed resume command finishes the rest."""
     from app.cli import main
 
     server = ScriptedServer(delay_s=0.05).start()
@@ -576,10 +546,10 @@ def test_sighup_commits_completed_records_and_the_resume_command_works(
         run = start_cli(config)
         wait_for(lambda: len(server.requests) >= 8, 60, "eight requests")
         answered = server.answered
-        run.send_signal(signal.SIGHUP)
+        run.send_signal(stop)
         stdout, _ = run.communicate(timeout=30)
-        assert run.returncode == 129, stdout
-        assert "stopped by SIGHUP" in stdout
+        assert run.returncode == 128 + stop, stdout
+        assert f"stopped by {stop.name}" in stdout and f"to resume: dflash datagen {config}" in stdout
         committed = output_rows(output)
         assert_complete(committed, prompts)
         # every answer the run had before the hangup is kept; one per worker may still have been on its way

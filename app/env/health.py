@@ -145,7 +145,8 @@ def _gpu_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     if gpus.get("count"):
         return []
     checked = "; ".join(gpus.get("notes") or []) or "nothing probed"
-    return [Finding("info", f"no GPU visible, CPU only ({checked})")]
+    fix = "on a GPU machine: check `nvidia-smi`, and give the container its GPUs (`--gpus all`)"
+    return [Finding("info", f"no GPU visible, CPU only ({checked})", fix)]
 
 
 def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
