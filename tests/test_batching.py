@@ -1,4 +1,5 @@
-"""Target batch plans: budgets, every sample once per epoch, determinism, resumable cursor, collation."""
+"""Target batch plans: the fixed shape set, budgets, every sample once per epoch, determinism,
+resumable cursor, collation."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 from app.config.schema import DataConfig
 from app.data.batching import BatchPlanner, DataCursor, collate, plan_epoch, plan_stats
 from app.data.dataset import DataSummary, TokenizedDataset
+from app.data.shapes import TargetShapes, length_ladder
 from app.errors import UserError
 
 BUDGET, MAX_ROWS, WINDOW = 1024, 16, 64
+SHAPES = TargetShapes(length_ladder(512, 32, 8), BUDGET, MAX_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +26,47 @@ def lengths() -> np.ndarray:
 
 
 def planner(lengths, seed=0, window=WINDOW) -> BatchPlanner:
-    return BatchPlanner(
-        lengths, token_budget=BUDGET, max_batch_size=MAX_ROWS, bucket_window=window, seed=seed
-    )
+    return BatchPlanner(lengths, shapes=SHAPES, bucket_window=window, seed=seed)
 
 
 def test_batches_respect_token_budget_and_row_limit(lengths):
     plan = planner(lengths).plan(0)
     for batch in plan:
-        assert 1 <= len(batch) <= MAX_ROWS
-        assert len(batch) * lengths[batch].max() <= BUDGET
+        rows, length = SHAPES.shape_for(int(lengths[batch].max()))
+        assert 1 <= len(batch) <= rows <= MAX_ROWS
+        assert rows * length <= BUDGET
+
+
+def test_the_length_ladder_is_geometric_in_multiples_ending_at_max_length():
+    assert length_ladder(2048, 128, 4) == (128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+    assert length_ladder(1000, 128, 2) == (128, 256, 384, 512, 768, 1000)
+    assert length_ladder(64, 128, 8) == (64,)  # max_length below the multiple: one rung
+    shapes = TargetShapes(length_ladder(2048, 128, 4), token_budget=4096, max_batch_size=8)
+    assert shapes.shape_for(1) == (8, 128) and shapes.shape_for(129) == (8, 256)
+    assert shapes.shape_for(1025) == (3, 1280) and shapes.shape_for(2048) == (2, 2048)
+    with pytest.raises(ValueError, match=r"longer than data\.max_length=2048"):
+        shapes.shape_for(2049)
+
+
+def test_every_batch_of_every_epoch_has_one_of_the_shapes_known_at_start(lengths):
+    """What build-cache bakes is all a run meets: the set is fixed before any batch is planned, and a
+    month of epochs never leaves it; collate gives each batch exactly its shape."""
+    known = set(SHAPES.all)
+    seen = {
+        SHAPES.shape_for(int(lengths[batch].max()))
+        for epoch in range(5)
+        for batch in planner(lengths).plan(epoch)
+    }
+    assert seen <= known and len(seen) > 3
+    dataset = TokenizedDataset(
+        datasets.Dataset.from_dict({"input_ids": [[1] * int(n) for n in lengths], "loss_mask": [[True] * int(n) for n in lengths],
+                                    "length": lengths.tolist(), "supervised": lengths.tolist()}),
+        DataSummary(files=[], min_supervised_tokens=0),
+    )  # fmt: skip
+    for batch in planner(lengths).plan(0)[:20]:
+        collated = collate(dataset, batch, 0, SHAPES)
+        assert tuple(collated.input_ids.shape) in known
+        assert int(collated.attention_mask.sum()) == int(lengths[batch].sum())
 
 
 def test_every_sample_exactly_once_per_epoch(lengths):
@@ -51,24 +85,26 @@ def test_plan_is_deterministic_per_seed_and_epoch_and_changes_across_them(length
 
 
 def test_length_bucketing_pads_less_than_random_batches(lengths):
-    bucketed = plan_stats(planner(lengths).plan(0), lengths, BUDGET)
+    bucketed = plan_stats(planner(lengths).plan(0), lengths, SHAPES)
     shuffled = np.random.default_rng(0).permutation(len(lengths))
     random_batches, batch = [], []
     for index in shuffled:  # same budget rules, no length sorting
-        if len(batch) == MAX_ROWS or (len(batch) + 1) * max(lengths[[*batch, index]]) > BUDGET:
+        if len(batch) >= SHAPES.shape_for(int(max(lengths[[*batch, index]])))[0]:
             random_batches.append(batch)
             batch = []
         batch.append(int(index))
-    unsorted = plan_stats([*random_batches, batch], lengths, BUDGET)
-    assert bucketed.padding_efficiency > 0.9 > unsorted.padding_efficiency
+    unsorted = plan_stats([*random_batches, batch], lengths, SHAPES)
+    assert bucketed.padding_overhead < 0.15 < 0.5 < unsorted.padding_overhead
     assert bucketed.samples == unsorted.samples == len(lengths)
-    assert "padding efficiency" in bucketed.describe()
+    assert f"in {bucketed.shapes} target shapes: padding overhead" in bucketed.describe()
 
 
 def test_plan_stats_by_hand():
-    stats = plan_stats([[0, 1], [2]], np.array([4, 2, 3]), token_budget=8)
-    assert (stats.batches, stats.samples, stats.real_tokens, stats.padded_tokens) == (2, 3, 9, 11)
-    assert stats.padding_efficiency == pytest.approx(9 / 11)
+    shapes = TargetShapes((2, 4), token_budget=8, max_batch_size=4)  # shapes (4, 2) and (2, 4)
+    stats = plan_stats([[0, 1], [2]], np.array([4, 2, 3]), shapes)
+    assert (stats.batches, stats.samples, stats.real_tokens, stats.padded_tokens) == (2, 3, 9, 16)
+    assert stats.shapes == 1  # both batches pad to (2, 4)
+    assert stats.padding_overhead == pytest.approx(16 / 9 - 1)
     assert stats.row_fill == pytest.approx(9 / 16)
 
 
@@ -101,17 +137,20 @@ def test_bad_cursor_state_is_a_user_error(state):
         DataCursor.from_state_dict(state)
 
 
-def test_samples_longer_than_the_budget_are_refused():
-    with pytest.raises(ValueError, match="token_budget=8"):
-        plan_epoch(np.array([4, 9]), token_budget=8, max_batch_size=4, bucket_window=4, seed=0, epoch=0)
+def test_samples_longer_than_max_length_are_refused():
+    with pytest.raises(ValueError, match="max_length=8"):
+        plan_epoch(np.array([4, 9]), shapes=TargetShapes((4, 8), 8, 4), bucket_window=4, seed=0, epoch=0)
 
 
 def test_planner_from_config(lengths):
-    data = DataConfig(token_budget=BUDGET, max_length=512, max_batch_size=MAX_ROWS, bucket_window=WINDOW)
+    data = DataConfig(token_budget=BUDGET, max_length=512, max_batch_size=MAX_ROWS, bucket_window=WINDOW,
+                      length_multiple=32, lengths_per_octave=8)  # fmt: skip
     assert BatchPlanner.from_config(lengths, data, seed=0).plan(0) == planner(lengths).plan(0)
+    other = data.model_copy(update={"lengths_per_octave": 4})
+    assert BatchPlanner.from_config(lengths, other, seed=0).fingerprint != planner(lengths).fingerprint
 
 
-def test_collate_right_pads_with_the_pad_id():
+def test_collate_pads_to_the_batch_shape_with_the_pad_id():
     ids = [[5, 6, 7], [8], [9, 10]]
     masks = [[False, True, True], [True], [False, False]]
     rows = datasets.Dataset.from_dict(
@@ -123,11 +162,12 @@ def test_collate_right_pads_with_the_pad_id():
         }
     )
     dataset = TokenizedDataset(rows, DataSummary(files=[], min_supervised_tokens=0))
-    batch = collate(dataset, [2, 0], pad_token_id=99)
-    assert batch.input_ids.tolist() == [[9, 10, 99], [5, 6, 7]]
-    assert batch.attention_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
-    assert batch.loss_mask.tolist() == [[False, False, False], [False, True, True]]
-    assert batch.sample_ids.tolist() == [2, 0]
+    shapes = TargetShapes((2, 4), token_budget=12, max_batch_size=6)  # (6, 2) and (3, 4)
+    batch = collate(dataset, [2, 0], pad_token_id=99, shapes=shapes)
+    assert batch.input_ids.tolist() == [[9, 10, 99, 99], [5, 6, 7, 99], [99] * 4]
+    assert batch.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [0] * 4]
+    assert batch.loss_mask.tolist() == [[False] * 4, [False, True, True, False], [False] * 4]
+    assert batch.sample_ids.tolist() == [2, 0, -1]
     assert (batch.input_ids.dtype, batch.attention_mask.dtype, batch.loss_mask.dtype) == (
         torch.int64,
         torch.int64,

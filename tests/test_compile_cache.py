@@ -50,12 +50,14 @@ from app.compile.guard import (
     verify_fx_trace_flags,
 )
 from app.compile.key import MACHINE_GROUPS, cache_key, diff_fields, key_fields
+from app.compile.library_jit import LibraryJitAbort, LibraryJitCounter, LibraryJitWatch
 from app.compile.prepare import _warn_if_built_elsewhere, prepare_compiled_training, prepare_target_rank
 from app.config import load_config, validate_config
 from app.config.schema import BUILTIN_TARGETS, CompileConfig
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import load_target
+from app.telemetry.guard import GuardedWatch
 from app.train.step import DrafterStep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +158,9 @@ def test_key_changes_when_any_field_changes():
     assert cache_key(tiny_fields("train.anchors=32")) != cache_key(fields)
     assert cache_key(tiny_fields("train.precision=bf16")) != cache_key(fields)
     assert cache_key(tiny_fields("train.lr=1e-4")) == cache_key(fields)  # not a shape: same kernels
+    # the target batch shapes are what the baked library kernels cover
+    assert cache_key(tiny_fields("data.lengths_per_octave=4")) != cache_key(fields)
+    assert cache_key(tiny_fields("data.max_batch_size=8")) != cache_key(fields)
 
 
 def test_diff_names_the_fields_that_differ():
@@ -458,8 +463,9 @@ def test_baseline_follows_the_topology_and_feeds_the_throughput_watch():
     slow = {"drafter_batches_per_s": 1.0, "tokens_per_s": 500.0}
     events = [watch.check({"step": warmup + step, **on_pace}) for step in range(0, 30, 10)]
     events += [watch.check({"step": warmup + step, **slow}) for step in range(30, 60, 10)]
-    assert events[:4] == [[], [], [], []]
-    assert len(events[4]) == 1 and "compile_cache/key" in events[4][0]
+    assert events[:3] == [[], [], []]
+    assert len(events[3]) == 1 and "compile_cache/key" in events[3][0]  # the first slow window
+    assert events[4:] == [[], []]  # the same slow stretch: no second event
 
 
 def test_doctor_lists_caches_and_why_the_others_differ(built, monkeypatch, tmp_path):
@@ -517,3 +523,26 @@ def test_build_cache_needs_a_gpu():
 
     with pytest.raises(UserError, match="build-cache: no CUDA device visible"):
         build_cache(tiny_config(), DrafterStep)
+
+
+def test_the_library_jit_watch_counts_new_triton_cache_entries_after_warm_up(tmp_path: Path) -> None:
+    """Each kernel Triton compiles (or autotuning result it keeps) is a directory of its cache: what
+    appears after warm-up, here or on a target rank, is library JIT; with abort it ends the run."""
+    triton = tmp_path / "triton"
+    (triton / "baked-kernel").mkdir(parents=True)
+    (triton / "not-an-entry.tmp").write_text("")
+    watch = LibraryJitWatch(LibraryJitCounter(triton), abort=False, source="nvidia-h200-sm90-abc")
+    assert watch.check({"step": 5}) == [] and watch.active is None
+    (triton / "compiled-after-warm-up").mkdir()
+    (event,) = watch.check({"step": 10, "target_library_jit": [0, 2]})
+    assert event.startswith(
+        "library JIT: 3 Triton kernel compiles or autotunings after warm-up (3 new in this window)"
+    )
+    assert "nvidia-h200-sm90-abc was loaded" in event
+    assert watch.check({"step": 15, "target_library_jit": [0, 2]}) == []  # nothing new, no second event
+    assert watch.check({"step": 20, "target_library_jit": [1, 2]})[0].startswith("library JIT: 4 ")
+
+    aborting = GuardedWatch(LibraryJitWatch(LibraryJitCounter(triton), abort=True, source="x"))
+    (triton / "another").mkdir()
+    with pytest.raises(LibraryJitAbort, match=r"compile\.on_cache_miss = abort"):
+        aborting.check({"step": 25})

@@ -29,6 +29,7 @@ from app.config.schema import TopologyConfig
 from app.data.batch import TargetBatch
 from app.data.batching import BatchPlanner, DataCursor, PlannedBatch
 from app.data.packing import pack_row
+from app.data.shapes import TargetShapes
 from app.errors import UserError
 from app.pipeline.assignment import RoundPlanner
 from app.pipeline.distributed import start_runtime
@@ -82,7 +83,7 @@ def test_a_multi_process_topology_outside_torchrun_is_a_one_line_error(monkeypat
 
 def test_rounds_keep_5_targets_and_3_drafters_balanced_and_see_every_sample_once_per_epoch() -> None:
     lengths = np.random.default_rng(0).integers(20, 250, size=400)
-    planner = BatchPlanner(lengths, token_budget=256, max_batch_size=8, bucket_window=64, seed=3)
+    planner = BatchPlanner(lengths, shapes=TargetShapes((64, 128, 256), 256, 8), bucket_window=64, seed=3)
     rounds = RoundPlanner(planner, drafters=3, grad_accum=1, targets=5)
     epochs = 2
     sizes = [len(planner.plan(epoch)) for epoch in range(epochs)]
@@ -215,9 +216,9 @@ def test_colocated_accumulation_pads_each_epochs_last_round(
 
 @pytest.fixture(scope="module")
 def small_conversations(tiny_conversations, tmp_path_factory) -> Path:
-    """14 records (10 train after the 4 held out): 5 target batches per epoch at the SMALL shapes."""
+    """13 records (9 train after the 4 held out): 5 target batches per epoch at the SMALL shapes."""
     path = tmp_path_factory.mktemp("small") / "train.jsonl"
-    path.write_text("\n".join(tiny_conversations.read_text().splitlines()[:14]) + "\n")
+    path.write_text("\n".join(tiny_conversations.read_text().splitlines()[:13]) + "\n")
     return path
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,15 @@ from app.compile.apply import compile_drafter
 from app.compile.build import build_cache
 from app.compile.guard import RecompileError
 from app.compile.key import cache_key, machine_fields
+from app.compile.library_jit import LibraryJitCounter
 from app.compile.warmup import synthetic_batches
 from app.config import validate_config
+from app.data.shapes import TargetShapes
+from app.errors import UserError
 from app.model.attention import UncompiledKernelOnCudaError
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import chunked_lm_head_ce
+from app.model.target import load_target
 from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import NonFiniteLoss, Trainer
 from tests.helpers import random_target_config, run_dflash, small_drafter_raw_config
@@ -158,3 +164,84 @@ def test_a_non_finite_step_is_skipped_on_the_device(
     assert all(torch.isfinite(parameter).all() for parameter in trainer.drafter.parameters())
     moments = [value for state in trainer.optimizer.state.values() for value in state.values()]
     assert moments and all(torch.isfinite(value).all() for value in moments)
+
+
+# ---- hybrid (Gated DeltaNet) targets: flash-linear-attention's Triton kernels ----------------------
+
+TINY_HYBRID = {
+    "model_type": "qwen3_5_text", "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "full_attention_interval": 2, "max_position_embeddings": 4096,
+}  # fmt: skip
+CAUSAL_CONV1D = importlib.util.find_spec("causal_conv1d") is not None
+
+
+def hybrid_config(tokenizer_dir: Path, data: Path, run_dir: Path, persistent_tmp: Path, **train):
+    """The tiny random-weight config over a 4-layer Qwen3.5-style hybrid target on CUDA."""
+    config = random_target_config(
+        tokenizer_dir, data, run_dir, device="cuda", precision="bf16", eval_every=0, **ON_ANY_STACK, **train
+    )
+    config.target.architecture = dict(TINY_HYBRID)
+    config.drafter.target_layer_ids = [1, 2]  # a linear-attention and a full-attention layer
+    config.target.allow_slow_kernels = not CAUSAL_CONV1D  # this machine may lack it: say so, degraded
+    config.compile.cache_dir = str(persistent_tmp / "compile_cache")
+    config.compile.inductor_dir = str(persistent_tmp / "inductor")
+    return config
+
+
+@pytest.mark.skipif(CAUSAL_CONV1D, reason="causal-conv1d is installed here: nothing is missing to refuse")
+def test_a_hybrid_target_without_causal_conv1d_refuses_to_train(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
+) -> None:
+    config = hybrid_config(tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp)
+    config.target.allow_slow_kernels = False
+    with pytest.raises(UserError, match=r"without causal_conv1d \(causal-conv1d: not installed\)"):
+        Trainer(config, log=lambda line: None)
+
+
+def test_a_new_target_shape_after_warm_up_is_library_jit(persistent_tmp: Path, monkeypatch) -> None:
+    """flash-linear-attention compiles or autotunes per input shape, outside torch.compile: the
+    counter sees the Triton cache grow for a new shape, and not for one it has seen."""
+    pytest.importorskip("fla")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
+    config = validate_config(
+        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 1, "mask_token_id": 3},
+         "data": {"token_budget": 1024, "max_length": 512}, "train": {"anchors": 16}}
+    )  # fmt: skip
+    target = load_target(config, "cuda")
+    target.features(torch.randint(0, 2048, (2, 256), device="cuda"))
+    counter = LibraryJitCounter()
+    target.features(torch.randint(0, 2048, (2, 256), device="cuda"))
+    torch.cuda.synchronize()
+    assert counter.new() == 0
+    target.features(torch.randint(0, 2048, (3, 384), device="cuda"))
+    torch.cuda.synchronize()
+    assert counter.new() > 0
+
+
+def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothing(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
+) -> None:
+    """build-cache runs the target at every (rows, length) of the run's shape set and bakes the
+    library kernels with the inductor artifacts; training in a fresh process with an empty inductor
+    and Triton dir then meets only baked shapes: no library JIT (abort would fail the run)."""
+    pytest.importorskip("fla")
+    config = hybrid_config(
+        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp, max_steps=12
+    )
+    config.compile.on_cache_miss = "abort"
+    config.telemetry.log_every = 2
+    result = build_cache(config, DrafterStep, log=lambda line: None)
+    shapes = TargetShapes.from_config(config.data)
+    assert result.entry.fields["shape.target_batches"] == [list(shape) for shape in shapes.all]
+    assert result.entry.triton_path is not None
+    shutil.rmtree(persistent_tmp / "inductor")  # a fresh container: only the baked entry
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+
+    done = run_dflash("train", str(config_file), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "library JIT:" not in done.stdout + done.stderr
+    assert re.search(r"in \d+ target shapes: padding overhead", done.stdout)
+    assert f"compile cache: loaded {result.entry.key}" in done.stdout

@@ -185,7 +185,7 @@ def test_packing_real_tokenized_batches(tmp_path, tiny_tokenizer):
     planner = BatchPlanner.from_config(dataset.lengths, data, seed=3)
     packed_samples = []
     for planned in planner.batches(DataCursor(), epochs=1):
-        batch = collate(dataset, planned.sample_ids, pad_token_id(tiny_tokenizer))
+        batch = collate(dataset, planned.sample_ids, pad_token_id(tiny_tokenizer), planner.shapes)
         row = pack_row(
             batch,
             token_budget=data.token_budget,

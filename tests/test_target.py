@@ -7,6 +7,7 @@ from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 from app.config import validate_config
 from app.errors import UserError
 from app.model.target import TargetModel, load_target, target_text_config
+from app.train.setup import require_fast_kernels
 
 TEXT = {
     "vocab_size": 128,
@@ -187,3 +188,36 @@ def test_builtin_tiny_lm_target():
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (6, 128, 2048)
     assert target.layer_ids == [1, 3]
     assert target.features(batch()[0]).shape == (2, 11, 2 * 128)
+
+
+def test_a_hybrid_target_on_cuda_without_its_fast_kernels_is_refused():
+    """On CUDA a Gated DeltaNet target without flash-linear-attention or causal-conv1d would train on
+    transformers' reference path (one warning, then minutes per step): refused, naming what is
+    missing and the install; `target.allow_slow_kernels` accepts it as a degradation."""
+    hybrid = config_for({"architecture": ARCHITECTURES["qwen3_5"]})
+    fingerprint = {
+        "fast_kernels": {
+            "fla": {"present": True, "error": None},
+            "causal_conv1d": {"present": False, "error": None},
+        }
+    }
+    cuda = torch.device("cuda")
+    with pytest.raises(UserError) as refused:
+        require_fast_kernels(hybrid, cuda, fingerprint)
+    message = str(refused.value)
+    assert "without causal_conv1d (causal-conv1d: not installed)" in message and "fla (" not in message
+    assert "`./uvw sync --group gpu`" in message and message.endswith("set target.allow_slow_kernels=true")
+    broken = {"fast_kernels": {"fla": {"present": False, "error": "ImportError: libcuda.so.1"}}}
+    with pytest.raises(
+        UserError, match=r"without fla \(flash-linear-attention: ImportError: libcuda\.so\.1\)"
+    ):
+        require_fast_kernels(hybrid, cuda, broken)
+
+    allowed = hybrid.model_copy(
+        update={"target": hybrid.target.model_copy(update={"allow_slow_kernels": True})}
+    )
+    (accepted,) = require_fast_kernels(allowed, cuda, fingerprint)
+    assert accepted.endswith("(accepted by target.allow_slow_kernels)")
+    assert require_fast_kernels(hybrid, torch.device("cpu"), fingerprint) == []  # the only path on CPU
+    dense = config_for({"architecture": ARCHITECTURES["qwen3"]})
+    assert require_fast_kernels(dense, cuda, fingerprint) == []

@@ -108,9 +108,10 @@ def time_run_batches_forward(config: RunConfig, target: TargetModel, device: tor
 
     tokenizer = load_tokenizer(config)
     train_data, _ = load_run_data(config, tokenizer, runtime=None)
-    plan = BatchPlanner.from_config(train_data.lengths, config.data, config.train.seed).plan(0)
+    planner = BatchPlanner.from_config(train_data.lengths, config.data, config.train.seed)
+    plan = planner.plan(0)
     batches = [
-        collate(train_data, sample_ids, pad_token_id(tokenizer)).input_ids.to(device)
+        collate(train_data, sample_ids, pad_token_id(tokenizer), planner.shapes).input_ids.to(device)
         for sample_ids in plan[:TARGET_STAGE_BATCHES]
     ]
     return time_target_forwards(target, batches, device)

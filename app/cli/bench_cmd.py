@@ -1,4 +1,5 @@
-"""`dflash bench drafter|pipeline|checkpoint|data`: benchmarks at a run config's exact shapes, and their data."""
+"""`dflash bench drafter|pipeline|checkpoint|data|windows`: benchmarks at a run config's exact shapes, their
+data, and a finished run judged per log window."""
 
 from __future__ import annotations
 
@@ -92,3 +93,23 @@ def data(
 
     tokenizer_dir, data_file = write_benchmark_data(Path(out_dir), conversations, mean_words)
     print(f"target.tokenizer={tokenizer_dir} data.train_files=['{data_file}']")
+
+
+@group.command("windows")
+def windows(
+    run_dir: Annotated[str, typer.Argument(help="A run directory (train.output_dir) with metrics.jsonl.")],
+    from_step: Annotated[
+        int, typer.Option("--from-step", min=0, help="First step judged (after warm-up).")
+    ] = 5,
+    out: Annotated[str | None, typer.Option("--out", help="Also write the report as JSON here.")] = None,
+) -> None:
+    """A run per log window: tok/s min/median/max, reserved memory, library JIT and other health events."""
+    from pathlib import Path
+
+    from app.atomic import write_json_atomic
+    from app.bench.windows import format_windows, window_report
+
+    report = window_report(Path(run_dir), from_step)
+    print(format_windows(report))
+    if out:
+        write_json_atomic(Path(out), report)

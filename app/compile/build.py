@@ -43,10 +43,11 @@ from app.compile.warmup import (
     StepTiming,
     time_training_steps,
     uses_library_triton_kernels,
-    warm_target,
+    warm_target_shapes,
     warm_up_drafter,
 )
 from app.config.schema import RunConfig
+from app.data.shapes import TargetShapes
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import load_target
@@ -115,8 +116,9 @@ def _compile_and_save(
     target_warm_s = None
     if uses_library_triton_kernels(target):
         # Before anything inductor compiles: the Triton dir then holds the library's kernels only.
-        phase("target forward (JIT-compiling flash-linear-attention's Triton kernels)")
-        target_warm_s = warm_target(config, target, device)
+        shapes = TargetShapes.from_config(config.data)
+        phase(f"target forward at each of the run's {shapes.describe()} (library Triton JIT and autotuning)")
+        target_warm_s = warm_target_shapes(config, target, device, phase)
         shutil.copytree(dirs.triton, baked_triton)
 
     phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.schema import RunConfig
+from app.data.shapes import TargetShapes
 
 KeyFields = dict[str, Any]
 
@@ -129,6 +130,8 @@ def shape_fields(config: RunConfig, arch: Any) -> KeyFields:
         "shape.sliding_window": arch.sliding_window,
         "shape.sliding_window_layers": list(arch.sliding_window_layers),
         "shape.target_model_type": _target_model_type(config),
+        # The target's batch shapes: what the baked library Triton kernels and autotuning cover.
+        "shape.target_batches": [list(shape) for shape in TargetShapes.from_config(config.data).all],
     }
 
 

@@ -30,8 +30,10 @@ from app.compile.guard import (
     verify_fx_trace_flags,
 )
 from app.compile.key import cache_key, key_fields
+from app.compile.library_jit import LibraryJitCounter, LibraryJitWatch
 from app.compile.warmup import TrainingStep, warm_up_drafter
 from app.config.schema import RunConfig
+from app.telemetry.guard import GuardedWatch
 from app.telemetry.health import ExternalEvents
 from app.telemetry.reporter import HealthWatch
 
@@ -129,6 +131,12 @@ def prepare_compiled_training(config: RunConfig, step: TrainingStep, log: Log) -
         raise CompileCacheMiss(f"{counter_problems[0]} (compile.on_cache_miss = abort)")
     report.problems += counter_problems
 
+    if entry is not None and entry.triton_path is not None:
+        # From here on (warm-up done, baked kernels in place) a new Triton cache entry is library JIT.
+        watch = LibraryJitWatch(
+            LibraryJitCounter(dirs.triton), abort=compile_config.on_cache_miss == "abort", source=entry.key
+        )
+        report.watches.append(GuardedWatch(watch))
     if entry is not None:
         report.baseline_step_s = baseline_step_time(entry.measured, config)
         if report.baseline_step_s is not None:

@@ -18,10 +18,12 @@ import torch
 
 from app.config import RunConfig
 from app.data.batch import FeatureBatch
+from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
 from app.model.drafter import DFlashDrafter
-from app.model.target import TargetModel, target_dtype
+from app.model.target import TargetModel, is_hybrid, target_dtype
 
+Log = Callable[[str], None]
 WARMUP_SEED = 1234
 """Seed of the synthetic rows (independent of the run's seed: warm-up must not touch its RNG streams)."""
 
@@ -132,19 +134,25 @@ def time_target_forwards(target: TargetModel, batches: list[torch.Tensor], devic
 
 
 def uses_library_triton_kernels(target: TargetModel) -> bool:
-    """A hybrid (linear-attention) target with flash-linear-attention installed JIT-compiles Triton
-    kernels on its first forward (about 40 s on an H200): those belong in the baked cache."""
-    layer_types = getattr(target.text_config, "layer_types", None) or []
-    hybrid = any("linear" in str(kind) for kind in layer_types)
-    return hybrid and importlib.util.find_spec("fla") is not None
+    """A hybrid (linear-attention) target with flash-linear-attention installed JIT-compiles and
+    autotunes Triton kernels for each new input shape (about 40 s on its first forward on an H200,
+    up to 10 s per new shape): those belong in the baked cache."""
+    return is_hybrid(target.text_config) and importlib.util.find_spec("fla") is not None
 
 
-def warm_target(config: RunConfig, target: TargetModel, device: torch.device) -> float:
-    """One target forward at the run's batch shape; returns the seconds it took (JIT included)."""
-    input_ids = _target_batch(config, target, device)
+def warm_target_shapes(config: RunConfig, target: TargetModel, device: torch.device, log: Log) -> float:
+    """One target forward at every (rows, length) a batch of the run can have (`TargetShapes`), so
+    that every library kernel and autotuning result the run needs is in the Triton cache; returns
+    the seconds it took."""
+    shapes = TargetShapes.from_config(config.data).all
+    generator = torch.Generator().manual_seed(WARMUP_SEED)
     started = time.perf_counter()
-    target.features(input_ids)
-    synchronize(device)
+    for number, (rows, length) in enumerate(shapes, start=1):
+        input_ids = torch.randint(0, target.vocab_size, (rows, length), generator=generator)
+        target.features(input_ids.to(device))
+        synchronize(device)
+        if number % 10 == 0 or number == len(shapes):
+            log(f"  target shapes warmed: {number}/{len(shapes)} ({time.perf_counter() - started:.0f}s)")
     return time.perf_counter() - started
 
 

@@ -59,6 +59,11 @@ class TargetConfig(Section):
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the frozen target's weights on GPU. On CPU the target always runs in fp32."""
 
+    allow_slow_kernels: bool = False
+    """Train a hybrid (Gated DeltaNet) target on CUDA even without flash-linear-attention or
+    causal-conv1d, on transformers' slow reference path; the run's status then says DEGRADED.
+    Without this such a start is refused, naming what is missing and how to install it."""
+
     @model_validator(mode="after")
     def _one_source(self) -> TargetConfig:
         given = [name for name in ("path", "architecture", "builtin") if getattr(self, name) is not None]
@@ -161,6 +166,16 @@ class DataConfig(Section):
     bucket_window: int = Field(4096, ge=1)
     """Samples shuffled together and then sorted by length before being cut into target batches.
     Larger windows pad less; smaller ones mix lengths more across batches."""
+
+    length_multiple: int | None = Field(None, ge=1)
+    """Every padded target batch length is a multiple of this (or data.max_length): the shortest rung
+    of the length ladder, and its rounding. Default: data.max_length // 128, at least 16 (128 at
+    production lengths of 16384)."""
+
+    lengths_per_octave: int = Field(8, ge=1)
+    """Rungs of the target length ladder per doubling of length. A batch pads to the rung holding its
+    longest sample, so every target shape is known before the run starts (and baked by build-cache):
+    more rungs pad less and cost more shapes to bake. The data summary line reports the padding."""
 
     @model_validator(mode="after")
     def _budget_multiple(self) -> DataConfig:

@@ -15,7 +15,8 @@ import torch
 
 @dataclass
 class TargetBatch:
-    """Sequences for one target forward, right-padded to the longest one in the batch."""
+    """Sequences for one target forward, right-padded to one of the run's fixed shapes
+    (`app.data.shapes`); rows past the batch's samples are all padding."""
 
     input_ids: torch.Tensor
     """[b, L] int64 token ids; padding is `pad_token_id`."""
@@ -27,7 +28,8 @@ class TargetBatch:
     """[b, L] bool, True on supervised (assistant) tokens."""
 
     sample_ids: torch.Tensor
-    """[b] int64 index of each sequence in the tokenized dataset (epoch accounting, debugging)."""
+    """[b] int64 index of each sequence in the tokenized dataset (epoch accounting, debugging); -1 on
+    padding rows."""
 
     def to(self, device: torch.device | str) -> TargetBatch:
         return TargetBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})

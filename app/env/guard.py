@@ -10,12 +10,12 @@ what it accepted and the run's status says DEGRADED.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from app.env.diff import Difference, diff_fingerprints
-from app.env.fingerprint import collect_fingerprint
+from app.env.fingerprint import FAST_KERNELS, collect_fingerprint
 from app.env.health import Finding, assess
 from app.env.record import StartRecord, last_good_start
 from app.errors import UserError
@@ -34,6 +34,8 @@ class EnvironmentCheck:
     drift: list[Difference] = field(default_factory=list)
     since: StartRecord | None = None
     """The run's last good start that `drift` compares with (a resume only)."""
+    other: list[str] = field(default_factory=list)
+    """Further degradations the run's config accepted (e.g. a hybrid target's slow kernel path)."""
 
     @property
     def accepted(self) -> list[str]:
@@ -44,7 +46,10 @@ class EnvironmentCheck:
                 f"since {self.since.describe()}: {d.field} {_shown(d.old)} -> {_shown(d.new)} ({d.why})"
                 for d in self.drift
             ]
-        return lines
+        return [*lines, *self.other]
+
+    def also_accepting(self, lines: list[str]) -> EnvironmentCheck:
+        return replace(self, other=[*self.other, *lines])
 
 
 def check_environment(run_dir: Path | None, *, resume: bool, allow_drift: bool) -> EnvironmentCheck:
@@ -61,6 +66,16 @@ def check_environment(run_dir: Path | None, *, resume: bool, allow_drift: bool) 
     if check.accepted and not allow_drift:
         raise UserError(_refusal(check, run_dir))
     return check
+
+
+def fast_kernel_gaps(fingerprint: dict[str, Any]) -> list[str]:
+    """The hybrid-target kernels this process cannot import, as `module (distribution: why)`."""
+    gaps = []
+    for module, status in (fingerprint.get("fast_kernels") or {}).items():
+        if not status.get("present"):
+            why = f": {status['error']}" if status.get("error") else ": not installed"
+            gaps.append(f"{module} ({FAST_KERNELS.get(module, module)}{why})")
+    return gaps
 
 
 def _refusal(check: EnvironmentCheck, run_dir: Path | None) -> str:

@@ -61,6 +61,13 @@ def resolve_layer_ids(drafter: DrafterConfig, num_target_layers: int) -> list[in
     return list(layer_ids)
 
 
+def is_hybrid(text_config: PretrainedConfig) -> bool:
+    """A hybrid target (Qwen3.5/3.6, Qwen3-Next): linear-attention (Gated DeltaNet) layers between
+    full-attention ones, whose fast path is flash-linear-attention's and causal-conv1d's kernels."""
+    layer_types = getattr(text_config, "layer_types", None) or []
+    return any("linear" in str(kind) for kind in layer_types)
+
+
 def target_dtype(target: TargetConfig, device: torch.device) -> torch.dtype:
     """bf16 on GPU (per `target.dtype`); fp32 on CPU, where bf16 matmuls are slow and imprecise."""
     return torch.bfloat16 if device.type == "cuda" and target.dtype == "bf16" else torch.float32

@@ -58,7 +58,7 @@ class ColocatedFeatureSource:
     def _features(self, planned: PlannedBatch) -> FeatureBatch:
         device = self.target.device
         started = time.perf_counter()
-        batch = collate(self.dataset, planned.sample_ids, self.pad_token_id)
+        batch = collate(self.dataset, planned.sample_ids, self.pad_token_id, self.rounds.planner.shapes)
         row = pack_row(
             batch,
             token_budget=self.token_budget,

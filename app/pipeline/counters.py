@@ -104,6 +104,8 @@ class TargetView:
     q_pre: list[int]
     forward_s: list[float]
     """Split: seconds each target rank has spent in its forward, as last reported (empty when colocated)."""
+    library_jit: list[int]
+    """Split: Triton compiles and autotunings each target rank counted after start (empty when colocated)."""
 
     @property
     def total(self) -> int:
@@ -120,5 +122,6 @@ def target_view(runtime: Runtime | None, gathered: GatheredWindow | None, reader
         counts = [sum(c.from_targets[t] for c in counters) for t in range(targets)]
         reported = runtime.side.target_stats(targets) if reader else [{}] * targets
         q_pre = [t.get("q_pre", 0) for t in reported]
-        return TargetView(counts, q_pre, [t.get("forward_s", 0.0) for t in reported])
-    return TargetView([c.target_batches for c in counters], [0] * max(1, len(counters)), [])
+        forward_s = [t.get("forward_s", 0.0) for t in reported]
+        return TargetView(counts, q_pre, forward_s, [t.get("library_jit", 0) for t in reported])
+    return TargetView([c.target_batches for c in counters], [0] * max(1, len(counters)), [], [])

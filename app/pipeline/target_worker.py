@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.compile.library_jit import LibraryJitCounter
 from app.config import RunConfig
 from app.data.batch import TargetBatch
 from app.data.batching import BatchPlanner, collate
@@ -88,6 +89,8 @@ class TargetWorker:
         self._stats_channel = SideChannel.connect(config.topology.recv_timeout_s)
         self.batches = 0
         self.forward_seconds = 0.0
+        # After the baked Triton files are in place: what this rank's forwards add is library JIT.
+        self.library_jit = LibraryJitCounter()
 
     def run(self) -> None:
         runtime, layout = self.runtime, self.runtime.layout
@@ -167,7 +170,7 @@ class TargetWorker:
 
     def _collate(self, delivery: Delivery) -> Prepared:
         planned = delivery.batch
-        batch = collate(self.train_data, planned.sample_ids, self.pad_id)
+        batch = collate(self.train_data, planned.sample_ids, self.pad_id, self.planner.shapes)
         row = pack_row(
             batch,
             token_budget=self.config.data.token_budget,
@@ -207,7 +210,11 @@ class TargetWorker:
         self.batches += 1
         self._stats_channel.publish_target_stats(
             self.index,
-            {"q_pre": self._prepared.qsize(), "forward_s": round(self.forward_seconds, 3)},
+            {
+                "q_pre": self._prepared.qsize(),
+                "forward_s": round(self.forward_seconds, 3),
+                "library_jit": self.library_jit.new(),
+            },
         )
 
     def _drafters_stopped(self) -> bool:

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from app.telemetry.health import HealthAbort
 from app.telemetry.reporter import HealthWatch, Reporter, RunStart
 
 MAX_CONSECUTIVE_FAILURES = 5
@@ -88,6 +89,8 @@ class GuardedWatch:
             return []
         try:
             events = self.inner.check(record)
+        except HealthAbort:
+            raise  # the condition the run stops on, not a broken watch
         except Exception as error:
             self._failures.failed("check", error)
             return []

@@ -8,6 +8,7 @@ now, for status.json. Events appear in the log line, status.json and wandb.
 - throughput: steady-state speed below the baseline by more than `compile.slow_step_threshold`;
 - queues: `q_pre` / `q_hs` stuck empty or full for a window (a starved or blocked pipeline stage);
 - compile: recompiles and compile-cache misses after warm-up (counters from torch._dynamo or the caller);
+- library JIT: Triton kernels compiled or autotuned after warm-up (`app.compile.library_jit`);
 - external: events posted by other components (the compile-cache loader, a data loader).
 A non-finite loss is not a watch: the trainer stops with `NonFiniteLoss`, which becomes the exit reason.
 """
@@ -22,6 +23,10 @@ from typing import Any
 from app.telemetry.baseline import Baseline
 
 Counters = dict[str, int]
+
+
+class HealthAbort(RuntimeError):
+    """A watch's condition the run is configured to stop on (not a failure of the watch itself)."""
 
 
 class _Warmup:
@@ -72,13 +77,16 @@ class MemoryWatch:
 
 
 class ThroughputWatch:
-    """Speed below baseline / (1 + slow_threshold) for `sustain` log lines in a row is an event.
+    """Speed below baseline / (1 + slow_threshold) in a log window is an event (one per dip: it is
+    reported again only after a window back on speed).
 
-    One slow window is not enough: a checkpoint save or an eval lands in some window and slows it.
+    A window's speed is judged over its training time: the seconds the trainer paused in it for an
+    eval or a checkpoint's host copy (`paused_s` of `window_s`) are taken out, so those do not read as
+    a dip, and a single slow window of a run whose mean looks fine still is one.
     """
 
     def __init__(
-        self, baseline: Baseline, slow_threshold: float, warmup_steps: int, sustain: int = 2
+        self, baseline: Baseline, slow_threshold: float, warmup_steps: int, sustain: int = 1
     ) -> None:
         self.baseline = baseline
         self.slow_threshold = slow_threshold
@@ -93,6 +101,9 @@ class ThroughputWatch:
         ratio = self.baseline.speed_ratio(record)
         if ratio is None:
             return []
+        window_s, paused_s = record.get("window_s"), record.get("paused_s") or 0.0
+        if window_s and 0 < paused_s < window_s:
+            ratio *= window_s / (window_s - paused_s)
         if ratio >= 1 / (1 + self.slow_threshold):
             self.slow_lines, self.active = 0, None
             return []
@@ -102,9 +113,10 @@ class ThroughputWatch:
         measured = [f"{record.get('tokens_per_s', 0.0) / 1000:.1f}Ktok/s"]
         if record.get("drafter_batches_per_s"):
             measured.append(f"{1 / record['drafter_batches_per_s']:.3g}s/step")
+        lines = "this log window" if self.sustain == 1 else f"{self.sustain} log windows in a row"
         self.active = (
             f"throughput: {', '.join(measured)} is {1 - ratio:.0%} below the baseline {self.baseline.describe()} "
-            f"for {self.sustain} log lines in a row (degraded kernels? a missed compile cache? another GPU?)"
+            f"in {lines} (degraded kernels? a compile or library JIT? a missed compile cache? another GPU?)"
         )
         return [self.active]
 

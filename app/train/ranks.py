@@ -16,7 +16,7 @@ from app.env.guard import check_environment
 from app.pipeline.distributed import Runtime
 from app.pipeline.target_worker import TargetWorker
 from app.telemetry import GuardedReporter, HealthWatch, Reporter, build_telemetry
-from app.train.setup import load_run_data, load_tokenizer
+from app.train.setup import load_run_data, load_tokenizer, require_fast_kernels
 from app.train.trainer import Trainer, TrainResult
 
 Log = Callable[[str], None]
@@ -43,7 +43,8 @@ def run_drafter_rank(config: RunConfig, runtime: Runtime | None, resume: bool, l
 def run_target_rank(config: RunConfig, runtime: Runtime, log: Log) -> None:
     """Run the frozen target over this rank's batches of every epoch and send their features."""
     # Its own environment, before the target loads (the run's record is the logging drafter rank's).
-    check_environment(None, resume=False, allow_drift=config.train.allow_environment_drift)
+    check = check_environment(None, resume=False, allow_drift=config.train.allow_environment_drift)
+    require_fast_kernels(config, runtime.device, check.fingerprint)
     # Main thread, before the worker's threads exist: a hybrid target's library Triton kernels come
     # from the baked compile-cache entry instead of 40 s of JIT in every process.
     prepare_target_rank(config, runtime.device, log)

@@ -73,6 +73,27 @@ def load_run_data(
     return load_training_data(config, tokenizer)
 
 
+def require_fast_kernels(config: RunConfig, device: torch.device, fingerprint: dict[str, Any]) -> list[str]:
+    """On CUDA a hybrid target needs its fast kernels: refuse without them, or (with
+    `target.allow_slow_kernels`) return the line the run's start records as accepted."""
+    from app.env.guard import fast_kernel_gaps
+    from app.model.target import is_hybrid, target_text_config
+
+    if device.type != "cuda" or not is_hybrid(target_text_config(config.target)):
+        return []
+    gaps = fast_kernel_gaps(fingerprint)
+    if not gaps:
+        return []
+    message = (
+        f"target: a hybrid (Gated DeltaNet) target on CUDA without {', '.join(gaps)} runs its linear-attention "
+        "layers on transformers' slow reference path; install them with `./uvw sync --group gpu` "
+        "(causal-conv1d compiles with nvcc: needs the CUDA toolkit) or train in the GPU image"
+    )
+    if not config.target.allow_slow_kernels:
+        raise UserError(f"{message}; to train on the slow path anyway, set target.allow_slow_kernels=true")
+    return [f"{message} (accepted by target.allow_slow_kernels)"]
+
+
 def training_signal(
     config: RunConfig, layer_ids: list[int], tokenizer: PreTrainedTokenizerBase
 ) -> dict[str, Any]:

@@ -21,8 +21,8 @@ import hashlib
 import math
 import signal
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from app.checkpoint.store import PREFIX, check_run_directory, checkpoint_root, l
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
 from app.compile.prepare import prepare_compiled_training
 from app.config import RunConfig
-from app.data.batching import BatchPlanner, DataCursor
+from app.data.batching import BatchPlanner, DataCursor, plan_stats
 from app.data.tokenize import pad_token_id
 from app.env.guard import ALLOW_SETTING, check_environment
 from app.env.record import append_start
@@ -59,7 +59,7 @@ from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
 from app.telemetry.session import Telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
-from app.train.setup import load_run_data, load_tokenizer, pick_device, training_signal
+from app.train.setup import load_run_data, load_tokenizer, pick_device, require_fast_kernels, training_signal
 from app.train.step import BorrowedHeads, DrafterStep
 
 Log = Callable[[str], None]
@@ -142,11 +142,18 @@ class Trainer:
         )
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
         self.device = runtime.device if runtime is not None else pick_device(config.train.device)
+        slow = require_fast_kernels(config, self.device, self.environment.fingerprint)
+        self.environment = self.environment.also_accepting(slow)
         self.tokenizer = load_tokenizer(config)
         # Data is loaded (and an empty dataset refused) before any model is built.
         self.train_data, self.eval_data = load_run_data(config, self.tokenizer, runtime)
         self._note(self.train_data.summary.describe())
         self.planner = BatchPlanner.from_config(self.train_data.lengths, config.data, config.train.seed)
+        shapes = self.planner.shapes
+        self._note(
+            f"target batches (epoch 0): {plan_stats(self.planner.plan(0), self.train_data.lengths, shapes).describe()}"
+            f"; the run's {shapes.describe()}"
+        )
         layout = runtime.layout if runtime is not None else None
         self.rounds = RoundPlanner(
             self.planner,
@@ -181,6 +188,7 @@ class Trainer:
             if resumed:
                 broadcast_optimizer_state(self.optimizer, runtime)
         self._stop_requested = False
+        self._paused_s = 0.0
 
     def _target_side(self, split: bool) -> tuple[TargetModel | None, BorrowedHeads, DrafterArch, list[int]]:
         """The target (None on a split drafter rank, which receives only the heads from target 0), the
@@ -274,11 +282,13 @@ class Trainer:
                     losses += logged
                     pending = []
                 if self._eval_due():
-                    evals.append(self.evaluate())
+                    with self._paused():
+                        evals.append(self.evaluate())
                 stop = self._stop_agreed()
                 if self.step % train.save_every == 0 or stop:
                     self._refuse_non_finite(pending)  # no non-finite state is ever checkpointed
-                    checkpoint = self.save()
+                    with self._paused():
+                        checkpoint = self.save()
                 self._report_checkpoints(self.checkpoints.completed(block=stop))
                 if stop:
                     exit_reason = "stopped"
@@ -374,15 +384,29 @@ class Trainer:
             memory_gb=_cuda_memory_gb(self.device),
         )
         details = {
+            "window_s": seconds,
+            "paused_s": self._paused_s,
             "step_losses": losses,
             "grad_norm": torch.stack([out.grad_norm.float() for out in pending]).mean().item(),
             "drafter_batch_counts": [c.drafter_batches for c in gathered.counters],
             "target_batch_counts": targets.counts,
             "feature_wait_s": [c.wait_ms / 1000 for c in gathered.counters],
             "target_forward_s": targets.forward_s,
+            "target_library_jit": targets.library_jit,
         }
         self.telemetry.on_window(line, details)
+        self._paused_s = 0.0
         return losses, following
+
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Time spent not training (an eval, a checkpoint's host copy): the throughput guard judges a
+        log window over its training time only."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self._paused_s += time.monotonic() - started
 
     def _gather(self, pending: list[StepOutput], window: Window, source: FeatureSource) -> GatheredWindow:
         """Every drafter rank's step metrics and feed counters of the window; a non-finite loss stops here."""
