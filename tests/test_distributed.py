@@ -318,11 +318,12 @@ def killed_split_run(tiny_lm_dir, tiny_conversations, tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_torchrun_of_two_on_a_one_process_topology_is_refused(tmp_path: Path) -> None:
     """Every rank would train alone into the one run dir (steps 1, 1, 2, 2, ... in its metrics): each
-    refuses in one line, before any data or model loads, and nothing is written."""
+    refuses in one line, before any data or model loads, and nothing is written. (The first rank to
+    exit makes torchrun stop the other, which may be gone before it prints its line.)"""
     run_dir = tmp_path / "run"
     log = tmp_path / "torchrun.log"
     output = finish(torchrun(2, [f"train.output_dir={run_dir}"], log), log, timeout=300)
-    assert output.count("dflash: error: topology: the config lays out 1 processes") == 2, output
+    assert 1 <= output.count("dflash: error: topology: the config lays out 1 processes") <= 2, output
     assert "but torchrun started 2" in output
     assert f'File "{ROOT / "app"}' not in output  # no traceback through our code (torchrun prints its own)
     assert not run_dir.exists()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from app.atomic import write_json_atomic
 from app.checkpoint.store import PREFIX, check_run_directory, checkpoint_root, load_latest_checkpoint
@@ -60,6 +58,7 @@ from app.telemetry.session import Telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
 from app.train.setup import load_run_data, load_tokenizer, pick_device, require_fast_kernels, training_signal
+from app.train.signals import StopRequest
 from app.train.step import BorrowedHeads, DrafterStep
 
 Log = Callable[[str], None]
@@ -187,7 +186,7 @@ class Trainer:
             self.drafter_step.model = wrap_for_drafter_group(self.drafter, runtime)
             if resumed:
                 broadcast_optimizer_state(self.optimizer, runtime)
-        self._stop_requested = False
+        self.stop_request = StopRequest(self._note)
         self._paused_s = 0.0
 
     def _target_side(self, split: bool) -> tuple[TargetModel | None, BorrowedHeads, DrafterArch, list[int]]:
@@ -271,7 +270,7 @@ class Trainer:
         pending: list[StepOutput] = []
         started = time.monotonic()
         checkpoint = self.run_dir
-        previous_handlers = self._install_signal_handlers()
+        self.stop_request.install()
         exit_reason = "completed"
         try:
             for batches in source.steps(self.cursor, train.epochs, self.total_steps - self.step):
@@ -284,7 +283,7 @@ class Trainer:
                 if self._eval_due():
                     with self._paused():
                         evals.append(self.evaluate())
-                stop = self._stop_agreed()
+                stop = self.stop_request.agreed(self.runtime)
                 if self.step % train.save_every == 0 or stop:
                     self._refuse_non_finite(pending)  # no non-finite state is ever checkpointed
                     with self._paused():
@@ -306,7 +305,7 @@ class Trainer:
             raise
         finally:
             source.close()
-            self._restore_signal_handlers(previous_handlers)
+            self.stop_request.restore()
             self._settle_checkpoints()
             self._finish(exit_reason)
         self._note(f"done: {self.step} steps in {time.monotonic() - started:.0f}s; checkpoint {checkpoint}")
@@ -576,29 +575,6 @@ class Trainer:
         if layout.colocated:
             return f"{layout.num_drafters} colocated ranks ({self.device.type})"
         return f"{layout.num_drafters} drafter + {layout.num_targets} target ranks ({self.device.type})"
-
-    # ---- signals ------------------------------------------------------------------------------------
-
-    def _install_signal_handlers(self) -> dict[int, Any]:
-        def request_stop(signum: int, frame: Any) -> None:
-            self._note(f"received {signal.Signals(signum).name}: checkpointing after this step")
-            self._stop_requested = True
-
-        return {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _stop_agreed(self) -> bool:
-        """Stop after this step? Every drafter rank must stop at the same step: agree on the host (gloo)."""
-        runtime = self.runtime
-        if runtime is None or runtime.drafter_control is None or runtime.layout.num_drafters == 1:
-            return self._stop_requested
-        flag = torch.tensor([int(self._stop_requested)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=runtime.drafter_control)
-        return bool(flag.item())
-
-    @staticmethod
-    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _cuda_memory_gb(device: torch.device) -> tuple[float, float] | None:
