@@ -526,6 +526,20 @@ def test_no_reachable_server_is_a_clear_error(tmp_path: Path) -> None:
         run_datagen(make_config(prompts, tmp_path / "out", [dead]), quiet_console())
 
 
+def slow_generation(tmp_path: Path, records: int) -> tuple[ScriptedServer, Path, Path, Path]:
+    """A started server answering in 50 ms, `records` prompts and a run config of 2 workers, one shard:
+    a run long enough to be interrupted. Returns (server, prompts, output dir, config file)."""
+    server = ScriptedServer(delay_s=0.05).start()
+    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(records))
+    output = tmp_path / "out"
+    config = write_run_config(
+        tmp_path / "run.toml",
+        {"prompts": [str(prompts)], "output_dir": str(output), "servers": [server.url], "concurrency": 2,
+         "shard_size": 1000, **FAST},
+    )  # fmt: skip
+    return server, prompts, output, config
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_a_stop_signal_commits_completed_records_and_the_resume_command_works(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any, stop: signal.Signals
@@ -534,14 +548,7 @@ def test_a_stop_signal_commits_completed_records_and_the_resume_command_works(
     finished record committed, and the printed resume command finishes the rest."""
     from app.cli import main
 
-    server = ScriptedServer(delay_s=0.05).start()
-    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(30))
-    output = tmp_path / "out"
-    config = write_run_config(
-        tmp_path / "run.toml",
-        {"prompts": [str(prompts)], "output_dir": str(output), "servers": [server.url], "concurrency": 2,
-         "shard_size": 1000, **FAST},
-    )  # fmt: skip
+    server, prompts, output, config = slow_generation(tmp_path, 30)
     try:
         run = start_cli(config)
         wait_for(lambda: len(server.requests) >= 8, 60, "eight requests")
@@ -570,14 +577,7 @@ def test_a_stop_signal_commits_completed_records_and_the_resume_command_works(
 
 def test_closing_the_terminal_commits_completed_records(tmp_path: Path) -> None:
     """The run's terminal goes away: the kernel sends SIGHUP and every later write fails (EIO)."""
-    server = ScriptedServer(delay_s=0.05).start()
-    prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(30))
-    output = tmp_path / "out"
-    config = write_run_config(
-        tmp_path / "run.toml",
-        {"prompts": [str(prompts)], "output_dir": str(output), "servers": [server.url], "concurrency": 2,
-         "shard_size": 1000, **FAST},
-    )  # fmt: skip
+    server, prompts, output, config = slow_generation(tmp_path, 30)
     # a session of its own whose controlling terminal is the pty, as a shell in a terminal window has
     as_session_leader = "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])"
     window, tty = pty.openpty()

@@ -159,14 +159,16 @@ class S3Sync:
             self._remote.upload_run_files(self.run_dir)
         except Exception as error:  # a failed round must not end the thread: the next one retries
             self._remote = None  # a fresh client next round: it picks up credentials that appeared meanwhile
-            with self._lock:
-                self._last_error = describe_error(error)
-                self._failed_rounds += 1
-            self._write_state()
+            described = describe_error(error)
+            # Warned before the failure is counted: whoever sees the count has been warned.
             warn(
-                f"S3 sync to {self.location} failed ({self._last_error}); retrying at the next checkpoint "
+                f"S3 sync to {self.location} failed ({described}); retrying at the next checkpoint "
                 f"or in {CLOSING_RETRY_S if closing else self.storage.retry_interval_s:g}s"
             )
+            with self._lock:
+                self._last_error = described
+                self._failed_rounds += 1
+            self._write_state()
             return False
         with self._lock:
             self._last_error = None
