@@ -130,8 +130,54 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match=r"bad\.toml: not valid TOML"):
         load_config(write(tmp_path, "[target\nbuiltin=", "bad.toml"))
-    with pytest.raises(ConfigError, match=r"expected a \.toml, \.yaml or \.yml"):
+    with pytest.raises(
+        ConfigError, match=r"expected a \.toml, \.yaml, \.yml or \.json config file, or a run directory"
+    ):
         load_config(write(tmp_path, MINIMAL, "run.ini"))
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML: .* \(line 4, column 1\)"):
+        load_config(write(tmp_path, "target:\n  builtin: tiny-lm\ndrafter: [a, {b\n", "bad.yaml"))
+    with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON: Expecting .* \(line 1, column 12\)"):
+        load_config(write(tmp_path, '{"target": }', "bad.json"))
+
+
+@pytest.mark.parametrize(
+    ("override", "files"),
+    [
+        ("data.train_files=a.jsonl", ["a.jsonl"]),
+        ("data.train_files=a.jsonl,b.jsonl", ["a.jsonl", "b.jsonl"]),
+        ("data.train_files=[a.jsonl, b.jsonl]", ["a.jsonl", "b.jsonl"]),
+        ("data.train_files=['a.jsonl']", ["a.jsonl"]),
+    ],
+)
+def test_list_overrides_take_what_a_shell_user_types(tmp_path: Path, override: str, files: list[str]) -> None:
+    assert load_config(write(tmp_path, MINIMAL), [override]).data.train_files == files
+    ids = load_config(write(tmp_path, MINIMAL), ["drafter.target_layer_ids=1,2"]).drafter.target_layer_ids
+    assert ids == [1, 2]  # an Optional list too, its items typed
+
+
+def test_a_bad_override_value_names_the_override_not_the_file(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^override 'train\.lr=fast': train\.lr: must be a number, got 'fast'$"
+    ):
+        load_config(write(tmp_path, MINIMAL), ["train.epochs=2", "train.lr=fast"])
+    with pytest.raises(ConfigError, match=r"run\.toml: train\.lr: must be > 0"):
+        load_config(write(tmp_path, MINIMAL + "[train]\nlr = -1\n"), ["train.epochs=2"])
+
+
+def test_a_run_directory_is_a_config(tmp_path: Path) -> None:
+    """What a run writes as config.json trains, resumes or evaluates as is (after `dflash pull` on
+    another machine, the original TOML and overrides are not needed)."""
+    original = load_config(
+        write(tmp_path, MINIMAL), ["train.lr=1e-4", f"train.output_dir={tmp_path / 'run'}"]
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(original.model_dump_json())
+    assert load_config(run_dir) == original
+    assert load_config(run_dir / "config.json", ["train.lr=2e-4"]).train.lr == 2e-4
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"empty/config\.json: config file not found"):
+        load_config(tmp_path / "empty")
 
 
 def test_target_path_shape_is_checked_from_its_config_json(tmp_path: Path) -> None:
@@ -171,11 +217,16 @@ def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
     bad = run_dflash("config", "show", "configs/tiny.toml", "train.lr=-1")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "dflash: error: configs/tiny.toml: train.lr: must be > 0.0, got -1"
+        "dflash: error: override 'train.lr=-1': train.lr: must be > 0.0, got -1"
     ]
 
     usage = run_dflash("config", "show")
     assert usage.returncode == 2
+
+
+def test_cli_prints_its_version() -> None:
+    done = run_dflash("--version")
+    assert done.returncode == 0 and done.stdout.strip() == "dflash 0.1.0"
 
 
 def test_cli_config_schema_documents_every_field() -> None:

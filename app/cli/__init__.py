@@ -7,6 +7,7 @@ Stage modules are imported by their subcommand only, so `dflash --help` stays fa
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
@@ -32,6 +33,26 @@ cli = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib import metadata
+
+        print(f"dflash {metadata.version('dflash-appliance')}")
+        raise typer.Exit()
+
+
+@cli.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """Train DFlash speculative-decoding drafters reproducibly: config, doctor, train, eval, export."""
+
+
 cli.add_typer(config_cmd.group, name="config")
 cli.add_typer(bench_cmd.group, name="bench")
 cli.command("datagen")(datagen_cmd.datagen)

@@ -1,8 +1,9 @@
-"""Load a run config from TOML or YAML plus `section.field=value` overrides, with one-line errors.
+"""Load a run config from TOML, YAML or JSON plus `section.field=value` overrides, with one-line errors.
 
-Errors name the file, the dotted key and what was expected (`train.lr: must be > 0, got -1`);
-unknown keys get a close-match suggestion. Everything raises `ConfigError`, which the CLI turns
-into exit code 2.
+Errors name the file (or the override that set the value), the dotted key and what was expected
+(`train.lr: must be > 0, got -1`); unknown keys get a close-match suggestion. Everything raises
+`ConfigError`, which the CLI turns into exit code 2. A run directory is a config too: the resolved
+`config.json` every run writes, so a pulled run trains, resumes or evaluates without its original file.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import difflib
 import json
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +27,34 @@ class ConfigError(UserError):
     """A config file, key or override is wrong; the message is one line and names it."""
 
 
+RUN_CONFIG_FILE = "config.json"
+"""What a run directory holds as its resolved config."""
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read `path`, apply `overrides` in order, validate everything, resolve derived defaults."""
+    """Read `path` (a config file, or a run directory's config.json), apply `overrides` in order,
+    validate everything, resolve derived defaults."""
     path = Path(path)
+    if path.is_dir():
+        path = path / RUN_CONFIG_FILE
     raw = _read_file(path)
-    for override in overrides:
-        _apply_override(raw, override)
-    return validate_config(raw, source=str(path))
+    set_by = {_apply_override(raw, override): override for override in overrides}
+    return validate_config(raw, source=str(path), set_by=set_by)
 
 
-def validate_config(raw: dict[str, Any], source: str = "<config>") -> RunConfig:
-    """Validate a raw mapping into a `RunConfig` and check what needs the target's shape."""
+def validate_config(
+    raw: dict[str, Any], source: str = "<config>", set_by: dict[str, str] | None = None
+) -> RunConfig:
+    """Validate a raw mapping into a `RunConfig` and check what needs the target's shape.
+
+    `set_by`: dotted key -> the override that set it, so an error in it names the override."""
     _reject_unknown_keys(raw, RunConfig, prefix="", source=source)
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as error:
-        raise ConfigError(f"{source}: {_describe(error)}") from None
+        key = ".".join(str(part) for part in error.errors(include_url=False)[0]["loc"])
+        blamed = f"override {set_by[key]!r}" if set_by and key in set_by else source
+        raise ConfigError(f"{blamed}: {_describe(error)}") from None
     _check_against_target(config, source)
     return config
 
@@ -108,8 +123,20 @@ def _read_file(path: Path) -> dict[str, Any]:
             raw = tomllib.loads(text)
         elif path.suffix in (".yaml", ".yml"):
             raw = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            raw = json.loads(text)
         else:
-            raise ConfigError(f"{path}: expected a .toml, .yaml or .yml config file")
+            raise ConfigError(
+                f"{path}: expected a .toml, .yaml, .yml or .json config file, or a run directory"
+            )
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"{path}: not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+        ) from None
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML: {error.problem or error}{where}") from None
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as error:
         detail = str(error).splitlines()[0]
         raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {detail}") from None
@@ -118,8 +145,10 @@ def _read_file(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _apply_override(raw: dict[str, Any], override: str) -> None:
-    """`section.field=value`: the value is parsed as a TOML value when it is one, else kept as text."""
+def _apply_override(raw: dict[str, Any], override: str) -> str:
+    """`section.field=value`: the value is parsed as a TOML value when it is one, else kept as text;
+    for a list field, bare text is a comma-separated list (`a.jsonl`, `a.jsonl,b.jsonl`,
+    `[a.jsonl,b.jsonl]`). Returns the dotted key it set."""
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {override!r}: expected section.field=value")
@@ -133,7 +162,11 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
     _check_known(parts[-1], model, ".".join(parts[:-1]), source=f"override {override!r}")
-    node[parts[-1]] = _parse_value(text.strip())
+    value = _parse_value(text.strip())
+    if isinstance(value, str) and model is not None and _is_list_field(model, parts[-1]):
+        value = [item.strip().strip("'\"") for item in value.strip("[]").split(",") if item.strip()]
+    node[parts[-1]] = value
+    return ".".join(parts)
 
 
 def _parse_value(text: str) -> Any:
@@ -141,6 +174,17 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+
+
+def _is_list_field(model: type[BaseModel], name: str) -> bool:
+    """`list[...]`, also inside an Optional."""
+    annotation = model.model_fields[name].annotation
+    candidates = (
+        typing.get_args(annotation)
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else (annotation,)
+    )
+    return any(typing.get_origin(candidate) is list for candidate in candidates)
 
 
 def _section_model(model: type[BaseModel] | None, name: str) -> type[BaseModel] | None:

@@ -254,10 +254,15 @@ class Trainer:
         if self.is_logger:
             self._write_run_files()
         source = self._feature_source()
+        epochs = (
+            f"{train.epochs} epochs of {self.planner.total_batches(1)} batches, {self.rounds.size} per step"
+        )
+        if self.total_steps < self.rounds.total_steps(train.epochs):
+            epochs = f"capped by train.max_steps; {epochs} would be {self.rounds.total_steps(train.epochs)}"
         self._note(
             f"training {sum(p.numel() for p in self.drafter.parameters()) / 1e6:.2f}M drafter parameters on "
-            f"{self._where()}: {self.total_steps} steps ({train.epochs} epochs of "
-            f"{self.planner.total_batches(1)} batches, {self.rounds.size} per step), resuming at step {self.step}"
+            f"{self._where()}: {self.total_steps} steps ({epochs}), "
+            + (f"resuming at step {self.step}" if self.resumed else "from step 0")
         )
         if train.eval_every and self.target is None:
             self._note(
