@@ -123,7 +123,7 @@ def test_missing_training_data_names_the_mount(run_paths):
 def test_bad_config_stops_with_dflash_one_line_error(run_paths):
     done = train(run_paths, "train.lr=-1")
     assert done.returncode == 2
-    assert errors(done) == ["dflash: error: configs/tiny.toml: train.lr: must be > 0.0, got -1"]
+    assert errors(done) == ["dflash: error: override 'train.lr=-1': train.lr: must be > 0.0, got -1"]
 
 
 def test_config_comes_from_dflash_config_when_not_given(run_paths):
