@@ -341,3 +341,17 @@ def test_a_compile_cache_problem_at_train_start_is_a_health_event(
     text, healthy = render_status(run_dir)
     assert not healthy and "compile: NO cache for key 3f9c0d1e: compiled from scratch" in text
     assert "rebuild it for this stack (`just build-cache`)" in text
+
+
+def test_plot_needs_only_the_metrics(healthy_run: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """A run started without telemetry has metrics.jsonl but no status.json: --plot still plots, and
+    the missing status is the one-line error."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(healthy_run / "metrics.jsonl", bare / "metrics.jsonl")
+    done = dflash(capsys, monkeypatch, "status", str(bare), "--plot")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"dflash: error: {bare}/status.json: no status file; is {bare} a run directory of a started run?"
+    )
+    assert (bare / "plots" / "loss.png").is_file() and f"plots: {bare / 'plots'}" in done.stdout

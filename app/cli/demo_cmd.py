@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -25,4 +26,11 @@ def demo(
     # The demo narrates its own steps; the libraries' bars over its tiny local files are noise there.
     transformers_logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    run_demo(overrides=overrides or [], prompts=prompts, log=lambda line: print(line, flush=True))
+    from app.train.trainer import TrainingStopped
+
+    try:
+        run_demo(overrides=overrides or [], prompts=prompts, log=lambda line: print(line, flush=True))
+    except (TrainingStopped, KeyboardInterrupt):
+        # The demo has no --resume: it starts over when run again.
+        print("dflash demo: stopped; run `dflash demo` again to start over", file=sys.stderr)
+        raise typer.Exit(130) from None

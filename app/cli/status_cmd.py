@@ -26,13 +26,25 @@ def status(
     ] = False,
 ) -> None:
     """Goal, progress, health, what changed since the last good run, last checkpoint, what to do next."""
+    from app.errors import UserError
     from app.telemetry.status_report import render_status
 
-    document, healthy = render_status(run_dir, against)
+    try:
+        document, healthy = render_status(run_dir, against)
+    except UserError:
+        if not (plot and (run_dir / "metrics.jsonl").is_file()):
+            raise
+        # A run without a status file (started without telemetry) can still be plotted.
+        _plot(run_dir)
+        raise
     print(document, end="")
     if plot:
-        from app.telemetry.plots import write_plots
-
-        written = write_plots(run_dir)
-        print(f"plots: {', '.join(str(path) for path in written) or 'no metrics to plot yet'}")
+        _plot(run_dir)
     raise typer.Exit(0 if healthy else 1)
+
+
+def _plot(run_dir: Path) -> None:
+    from app.telemetry.plots import write_plots
+
+    written = write_plots(run_dir)
+    print(f"plots: {', '.join(str(path) for path in written) or 'no metrics to plot yet'}")

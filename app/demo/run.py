@@ -5,6 +5,8 @@
 3. measure tau of an untrained drafter on held-out prompts;
 4. train the drafter with configs/tiny.toml;
 5. measure tau again and export the drafter in the HF DFlash format.
+
+The run has the telemetry of any run (status.json, metrics.jsonl, plots), so `dflash status` inspects it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class DemoResult:
     tau_after: float
     export_dir: Path
     seconds: float
+    run_dir: Path
 
 
 def run_demo(
@@ -42,6 +45,8 @@ def run_demo(
     log: Callable[[str], None] = print,
 ) -> DemoResult:
     from app.export.hf_dflash import export_drafter
+    from app.telemetry.plots import write_plots
+    from app.train.ranks import rank_telemetry
     from app.train.trainer import Trainer
 
     started = time.monotonic()
@@ -55,7 +60,8 @@ def run_demo(
 
     log("[3/5] tau of an untrained drafter (greedy speculative decoding on held-out prompts)")
     shutil.rmtree(config.train.output_dir, ignore_errors=True)  # the demo always trains from scratch
-    trainer = Trainer(config, log=log)
+    reporters, watches = rank_telemetry(config)
+    trainer = Trainer(config, log=log, reporters=reporters, watches=watches)
     before = trainer.evaluator(trainer.drafter)
     log(f"      tau before training: {before.tau:.3f}")
 
@@ -67,6 +73,8 @@ def run_demo(
     export_dir = export_drafter(
         trainer.drafter, Path(config.train.output_dir) / "export", trainer.target.model.config
     )
+    run_dir = Path(config.train.output_dir)
+    write_plots(run_dir)
     seconds = time.monotonic() - started
     for line in after.describe():
         log("      " + line)
@@ -74,7 +82,8 @@ def run_demo(
         f"demo done in {seconds:.0f}s: tau {before.tau:.2f} -> {after.tau:.2f} "
         f"(block size {config.drafter.block_size}); exported drafter: {export_dir}"
     )
-    return DemoResult(before.tau, after.tau, export_dir, seconds)
+    log(f"inspect the run: dflash status {run_dir} (plots in {run_dir / 'plots'})")
+    return DemoResult(before.tau, after.tau, export_dir, seconds, run_dir)
 
 
 def _regenerate(

@@ -1,0 +1,26 @@
+"""`dflash demo`, shortened: its run is a run like any other, inspectable with `dflash status`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.demo.run import run_demo
+from app.telemetry.status import read_status
+
+
+def test_the_demo_run_writes_status_and_plots(tiny_lm_dir, tmp_path: Path) -> None:
+    lines: list[str] = []
+    result = run_demo(
+        overrides=[
+            f"data.train_files=['{tmp_path / 'regenerated'}']", f"train.output_dir={tmp_path / 'train'}",
+            "train.epochs=1", "train.eval_every=0", "train.eval_prompts=2", "data.eval_holdout=4",
+        ],
+        prompts=40, max_new_tokens=16, log=lines.append,
+    )  # fmt: skip
+    status = read_status(result.run_dir)
+    assert status["state"] == "completed" and status["health"]["state"] == "healthy"
+    assert {path.name for path in (result.run_dir / "plots").glob("*.png")} >= {"loss.png", "acc.png"}
+    assert (
+        lines[-1] == f"inspect the run: dflash status {result.run_dir} (plots in {result.run_dir / 'plots'})"
+    )
+    assert (result.export_dir / "config.json").is_file()
