@@ -235,6 +235,16 @@ def test_export_cli_writes_a_loadable_export(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "exported step 12" in done.stdout and "target_layer_ids [1, 5]" in done.stdout
     assert torch.equal(draft_logits(load_exported(out)), draft_logits(drafter))
+    block = drafter.arch.block_size
+    assert (
+        f"--speculative-algorithm DFLASH --speculative-draft-model-path {out} --speculative-num-draft-tokens {block}"
+        in done.stdout
+    )
+    assert (
+        f'"model": "{out}", "num_speculative_tokens": {block - 1}' in done.stdout
+    )  # vLLM: the block minus its anchor
+    config = json.loads((out / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == config["dflash_config"]["target_layer_ids"] == [1, 5]
 
 
 def test_export_cli_refuses_a_bad_source_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:

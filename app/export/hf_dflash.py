@@ -84,7 +84,22 @@ def export_config(arch: DrafterArch, target: PretrainedConfig, dtype: torch.dtyp
             "target_layer_ids": list(arch.target_layer_ids),
             "block_size": arch.block_size,
         },
+        # Older vLLM builds read the tapped layers from the EAGLE-3 key, not from dflash_config.
+        "eagle_aux_hidden_state_layer_ids": list(arch.target_layer_ids),
     }
+
+
+def serving_commands(target: str, export_dir: Path, block_size: int) -> list[str]:
+    """How to serve `target` with this export as its DFlash draft: SGLang's block is the draft token
+    count; vLLM drafts `num_speculative_tokens` = block_size - 1 after the anchor token."""
+    vllm_config = json.dumps(
+        {"method": "dflash", "model": str(export_dir), "num_speculative_tokens": block_size - 1}
+    )
+    return [
+        f"SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {export_dir} --speculative-num-draft-tokens {block_size}",
+        f"vLLM:   vllm serve {target} --speculative-config '{vllm_config}'",
+    ]
 
 
 def export_drafter(
