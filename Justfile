@@ -36,6 +36,26 @@ config file=config *overrides:
 image-smoke *args:
     scripts/image-smoke.sh {{args}}
 
+# regenerate training data with the target through OpenAI-compatible servers (datagen.servers)
+datagen file=config *overrides:
+    ./uvw run dflash datagen {{file}} {{overrides}}
+
+# train the drafter on one machine (add --resume to continue a run; a run directory is a config too)
+train file=config *overrides:
+    ./uvw run dflash train {{file}} {{overrides}}
+
+# how a run is doing: goal, progress, health, what changed, next steps (add --plot for PNGs)
+status run_dir *args:
+    ./uvw run dflash status {{run_dir}} {{args}}
+
+# acceptance length tau of a run's drafter on held-out prompts
+eval run_dir *args:
+    ./uvw run dflash eval {{run_dir}} {{args}}
+
+# export a run's drafter as an HF DFlash directory and print how to serve it
+export-drafter run_dir out *args:
+    ./uvw run dflash export {{run_dir}} --out {{out}} {{args}}
+
 # bake the compile cache of a config on this GPU model into compile_cache/<key>/ (a no-op when it matches)
 build-cache file=config *overrides:
     ./uvw run dflash build-cache {{file}} {{overrides}}
