@@ -238,3 +238,18 @@ def test_cli_config_schema_documents_every_field() -> None:
     for section in RunConfig.model_fields.values():
         for name, field in section.annotation.model_fields.items():  # type: ignore[union-attr]
             assert field.description, f"{section.annotation.__name__}.{name} has no docstring"
+
+
+def test_cli_config_schema_shows_the_values_a_field_takes() -> None:
+    """Allowed values of a Literal, `| null` of an Optional, and item types, as a user writes them."""
+    text = run_dflash("config", "schema").stdout
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in text.splitlines()
+        if line.count("│") >= 4
+    }
+    assert rows["precision"] == '"bf16" | "fp32"'
+    assert rows["format"] == '"auto" | "messages" | "sharegpt"'
+    assert rows["target_layer_ids"] == "list[int] | null"
+    assert rows["betas"] == "tuple[float, float]"
+    assert rows["max_steps"] == "int | null"

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+import types
+import typing
 from typing import Annotated, Any
 
 import typer
 from pydantic import BaseModel
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from app.cli.arguments import Overrides
@@ -55,7 +58,10 @@ def schema(
         table.add_column("default")
         table.add_column("meaning")
         for name, sub in model.model_fields.items():
-            table.add_row(name, _type_name(sub.annotation), _default(sub), sub.description or "")
+            # escaped: rich would read `[int]` of `list[int]` as markup and drop it
+            table.add_row(
+                name, escape(_type_name(sub.annotation)), escape(_default(sub)), escape(sub.description or "")
+            )
         console.print(table)
 
 
@@ -72,6 +78,14 @@ def _with_derived_defaults(config: RunConfig) -> RunConfig:
 
 
 def _type_name(annotation: Any) -> str:
+    """A field's type as a user writes values of it: a Literal's allowed values, `| null` for Optional."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(value) for value in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join("null" if arg is type(None) else _type_name(arg) for arg in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', origin)}[{', '.join(_type_name(arg) for arg in args)}]"
     return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
 
 
