@@ -219,5 +219,6 @@ def test_a_hybrid_target_on_cuda_without_its_fast_kernels_is_refused():
     (accepted,) = require_fast_kernels(allowed, cuda, fingerprint)
     assert accepted.endswith("(accepted by target.allow_slow_kernels)")
     assert require_fast_kernels(hybrid, torch.device("cpu"), fingerprint) == []  # the only path on CPU
+    assert require_fast_kernels(hybrid, cuda, fingerprint, runs_target=False) == []  # a split drafter rank
     dense = config_for({"architecture": ARCHITECTURES["qwen3"]})
     assert require_fast_kernels(dense, cuda, fingerprint) == []

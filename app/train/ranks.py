@@ -44,7 +44,8 @@ def run_target_rank(config: RunConfig, runtime: Runtime, log: Log) -> None:
     """Run the frozen target over this rank's batches of every epoch and send their features."""
     # Its own environment, before the target loads (the run's record is the logging drafter rank's).
     check = check_environment(None, resume=False, allow_drift=config.train.allow_environment_drift)
-    require_fast_kernels(config, runtime.device, check.fingerprint)
+    for line in require_fast_kernels(config, runtime.device, check.fingerprint):
+        log(f"warning: DEGRADED target rank: {line}")
     # Main thread, before the worker's threads exist: a hybrid target's library Triton kernels come
     # from the baked compile-cache entry instead of 40 s of JIT in every process.
     prepare_target_rank(config, runtime.device, log)

@@ -73,13 +73,16 @@ def load_run_data(
     return load_training_data(config, tokenizer)
 
 
-def require_fast_kernels(config: RunConfig, device: torch.device, fingerprint: dict[str, Any]) -> list[str]:
-    """On CUDA a hybrid target needs its fast kernels: refuse without them, or (with
-    `target.allow_slow_kernels`) return the line the run's start records as accepted."""
+def require_fast_kernels(
+    config: RunConfig, device: torch.device, fingerprint: dict[str, Any], *, runs_target: bool = True
+) -> list[str]:
+    """On CUDA a hybrid target needs its fast kernels where it runs: refuse without them, or (with
+    `target.allow_slow_kernels`) return the line the run's start records as accepted. A split drafter
+    rank (`runs_target` False) never runs the target, so its own kernels do not matter."""
     from app.env.guard import fast_kernel_gaps
     from app.model.target import is_hybrid, target_text_config
 
-    if device.type != "cuda" or not is_hybrid(target_text_config(config.target)):
+    if not runs_target or device.type != "cuda" or not is_hybrid(target_text_config(config.target)):
         return []
     gaps = fast_kernel_gaps(fingerprint)
     if not gaps:

@@ -141,7 +141,10 @@ class Trainer:
         )
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
         self.device = runtime.device if runtime is not None else pick_device(config.train.device)
-        slow = require_fast_kernels(config, self.device, self.environment.fingerprint)
+        runs_target = runtime is None or runtime.layout.colocated
+        slow = require_fast_kernels(
+            config, self.device, self.environment.fingerprint, runs_target=runs_target
+        )
         self.environment = self.environment.also_accepting(slow)
         self.tokenizer = load_tokenizer(config)
         # Data is loaded (and an empty dataset refused) before any model is built.
