@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from app.bench.target import format_report, run_target_bench
 from app.compile.apply import compile_drafter
 from app.compile.build import build_cache
 from app.compile.guard import RecompileError
@@ -225,7 +226,9 @@ def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothi
 ) -> None:
     """build-cache runs the target at every (rows, length) of the run's shape set and bakes the
     library kernels with the inductor artifacts; training in a fresh process with an empty inductor
-    and Triton dir then meets only baked shapes: no library JIT (abort would fail the run)."""
+    and Triton dir then meets only baked shapes: no library JIT (abort would fail the run). Earlier
+    tests compiled drafters of the same shapes in this process: the build must still record every
+    artifact (it failed with 5 inductor misses before build-cache reset the compiled state)."""
     pytest.importorskip("fla")
     config = hybrid_config(
         tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp, max_steps=12
@@ -245,3 +248,25 @@ def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothi
     assert "library JIT:" not in done.stdout + done.stderr
     assert re.search(r"in \d+ target shapes: padding overhead", done.stdout)
     assert f"compile cache: loaded {result.entry.key}" in done.stdout
+
+
+def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkeypatch) -> None:
+    """`dflash bench target` on a tiny hybrid target: eager, CUDA-graphed and compiled forwards all
+    run at each shape, each logged as it is measured, and the report gives each mode's ratio to eager."""
+    pytest.importorskip("fla")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
+    config = validate_config(
+        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 2, "mask_token_id": 3,
+         "target_layer_ids": [1, 2]}, "data": {"token_budget": 1024, "max_length": 512}}
+    )  # fmt: skip
+    lines: list[str] = []
+    result = run_target_bench(
+        config, [(4, 256), (2, 512)], ["eager", "cudagraph", "compiled"], 2, 790.0, lines.append
+    )
+    for mode in ("eager", "cudagraph", "compiled"):
+        timings = result.modes[mode]
+        assert not isinstance(timings, str), timings
+        assert [(t.rows, t.length) for t in timings] == [(4, 256), (2, 512)]
+        assert all(t.tokens_per_s > 0 and len(t.ms) == 2 for t in timings)
+    assert len(lines) == 1 + 3 * 2
+    assert re.search(r"compiled / eager: \d+\.\d{3}x", format_report(result))

@@ -1,4 +1,4 @@
-"""`dflash bench drafter|pipeline|checkpoint|data|windows`: benchmarks at a run config's exact shapes, their
+"""`dflash bench drafter|target|pipeline|checkpoint|data|windows`: benchmarks at a run config's exact shapes, their
 data, and a finished run judged per log window."""
 
 from __future__ import annotations
@@ -33,6 +33,37 @@ def drafter(
 
     resolved = load_config(config, overrides or [])
     result = run_drafter_bench(resolved, steps=steps, warmup=warmup, peak_tflops=peak_tflops)
+    print(format_report(result))
+
+
+@group.command("target")
+def target(
+    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    overrides: Overrides = None,
+    shapes: Annotated[
+        int | None, typer.Option("--shapes", min=1, help="Shapes of the run's set, spread (default: all).")
+    ] = None,
+    modes: Annotated[
+        str, typer.Option("--modes", help="Comma-separated: eager, compiled, cudagraph.")
+    ] = "eager,compiled,cudagraph",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed forwards per shape (median).")] = 3,
+    peak_tflops: Annotated[
+        float, typer.Option("--peak-tflops", min=0.001, help="Peak to compare with (H200 bf16: 790).")
+    ] = 790.0,
+) -> None:
+    """Time the frozen target's forward per batch shape of the run: eager, compiled, CUDA-graphed."""
+    from app.bench.target import bench_shapes, format_report, run_target_bench
+
+    resolved = load_config(config, overrides or [])
+    chosen = [mode.strip() for mode in modes.split(",") if mode.strip()]
+    result = run_target_bench(
+        resolved,
+        bench_shapes(resolved, shapes),
+        chosen,
+        repeats,
+        peak_tflops,
+        log=lambda line: print(line, flush=True),
+    )
     print(format_report(result))
 
 

@@ -1,6 +1,7 @@
-"""torch.compile applied to the drafter from outside its code: the model modules and the loss stay
-plain PyTorch, and every compiled kernel is made here, once per process, on the main thread
-(compiling flex_attention from several threads at once broke the incident's run).
+"""torch.compile applied to the drafter (and, for `dflash bench target`, the target's layers) from
+outside their code: the model modules and the loss stay plain PyTorch, and every compiled kernel is
+made here, once per process, on the main thread (compiling flex_attention from several threads at
+once broke the incident's run).
 
 What compiles (CUDA only; dynamic=False, the shapes are fixed): every decoder layer and norm of the
 drafter (fuses the norms, RoPE and SwiGLU around the attention), flex_attention with the training
@@ -14,11 +15,13 @@ import functools
 import threading
 
 import torch
+from torch.compiler._cache import CacheArtifactManager
 from torch.nn.attention.flex_attention import flex_attention
 
 from app.model.attention import FlexKernel
 from app.model.drafter import CompiledKernels, DFlashDrafter
 from app.model.objective import CeChunk, weighted_ce_chunk
+from app.model.target import TargetModel
 
 
 def compile_drafter(drafter: DFlashDrafter) -> None:
@@ -32,6 +35,18 @@ def compile_drafter(drafter: DFlashDrafter) -> None:
     drafter.kernels = CompiledKernels(flex_attention=compiled_flex_attention(), ce_chunk=compiled_ce_chunk())
 
 
+def compile_target_layers(target: TargetModel) -> None:
+    """Put every decoder layer the target's features run under torch.compile (its forward only, so
+    the feature taps' hooks stay outside the graph). Identical layers share one graph per layer kind
+    and shape; the recompile limit is raised so a shape set's graphs all fit (the default, 8, would
+    silently run the rest eager)."""
+    require_main_thread("the target's layers")
+    shapes_and_kinds = 2 * 64
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes_and_kinds)
+    for layer in target.layers_run:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+
+
 @functools.cache
 def compiled_flex_attention() -> FlexKernel:
     require_main_thread("flex_attention")
@@ -42,6 +57,18 @@ def compiled_flex_attention() -> FlexKernel:
 def compiled_ce_chunk() -> CeChunk:
     require_main_thread("cross-entropy chunk")
     return torch.compile(weighted_ce_chunk, dynamic=False)
+
+
+def reset_compiled_state() -> None:
+    """Forget every graph this process compiled (dynamo's code caches, the shared kernels above) and
+    the cache artifacts recorded so far, as in a new process: what compiles next is looked up or
+    compiled afresh, and recorded. build-cache starts from here, so an entry built in a process that
+    compiled before (a notebook, the test suite) still holds every artifact its run will load."""
+    require_main_thread("the compiled state")
+    torch.compiler.reset()
+    compiled_flex_attention.cache_clear()
+    compiled_ce_chunk.cache_clear()
+    CacheArtifactManager.clear()
 
 
 def require_main_thread(what: str) -> None:

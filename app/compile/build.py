@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from app.compile.apply import compile_drafter
+from app.compile.apply import compile_drafter, reset_compiled_state
 from app.compile.artifacts import (
     CacheEntry,
     CacheEntryError,
@@ -122,6 +122,7 @@ def _compile_and_save(
         shutil.copytree(dirs.triton, baked_triton)
 
     phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")
+    reset_compiled_state()
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     compile_drafter(drafter)
     step = new_step(config, drafter, target, device)

@@ -121,6 +121,11 @@ class TargetModel:
         self.lm_head: nn.Linear = model.get_output_embeddings()
 
     @property
+    def layers_run(self) -> list[nn.Module]:
+        """The decoder layers `features()` runs: up to the deepest tapped one."""
+        return list(self._layers[: max(self.layer_ids) + 1])
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
