@@ -148,7 +148,7 @@ def speculative_generate(
     prompt_ids = _prompt_tensor(prompt, target)
     stop_ids = _stop_ids(eos_token_id)
     block_size = drafter.arch.block_size
-    drafter_precision = functools.partial(_drafter_autocast, drafter, autocast_dtype)
+    drafter_precision = functools.partial(drafter_autocast, drafter, autocast_dtype)
     session = _open_session(target)
 
     logits, features = session.forward(prompt_ids, logits_for=1)
@@ -170,7 +170,7 @@ def speculative_generate(
         accepted = (draft == verified[:-1]).int().cumprod(dim=0).sum()
         # One host sync per round: the accepted count and the target's tokens travel together.
         accepted_count, *target_tokens = torch.cat([accepted.view(1), verified]).tolist()
-        emitted = _cut(target_tokens[: accepted_count + 1], max_new_tokens - len(tokens), stop_ids)
+        emitted = cut_round(target_tokens[: accepted_count + 1], max_new_tokens - len(tokens), stop_ids)
         tokens += emitted
         acceptance_lengths.append(len(emitted))
         # The target and the drafter now hold the block's first len(emitted) tokens (the old last
@@ -186,7 +186,7 @@ def speculative_generate(
     return GenerationResult(tokens=tokens, acceptance_lengths=acceptance_lengths, target_cache=session.mode)
 
 
-def _cut(emitted: list[int], room: int, stop_ids: frozenset[int]) -> list[int]:
+def cut_round(emitted: list[int], room: int, stop_ids: frozenset[int]) -> list[int]:
     """The round's tokens, cut to the remaining budget and just after the first end-of-sequence token."""
     emitted = emitted[:room]
     for index, token in enumerate(emitted):
@@ -222,7 +222,7 @@ class _CachedTarget:
             **{self.cache_argument: self.cache},
         )
         self.pending = len(tokens)
-        return output.logits[0], _tapped_features(self.target, output.hidden_states)
+        return output.logits[0], tapped_features(self.target, output.hidden_states)
 
     def commit(self, kept: int) -> None:
         """Keep the first `kept` tokens of the last forward in the cache, drop the rest."""
@@ -250,7 +250,7 @@ class _RecomputedTarget:
             logits_to_keep=logits_for,
         )
         self.pending = tokens
-        return output.logits[0], _tapped_features(self.target, output.hidden_states)[-len(tokens) :]
+        return output.logits[0], tapped_features(self.target, output.hidden_states)[-len(tokens) :]
 
     def commit(self, kept: int) -> None:
         self.accepted = torch.cat([self.accepted, self.pending[:kept]])
@@ -267,7 +267,7 @@ def _open_session(target: TargetModel) -> _CachedTarget | _RecomputedTarget:
     return _RecomputedTarget(target)
 
 
-def _tapped_features(target: TargetModel, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def tapped_features(target: TargetModel, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """`[n, K*H]`: the configured layers' outputs (HF `hidden_states[i + 1]`), as `TargetModel.features`."""
     return torch.cat([hidden_states[layer + 1][0] for layer in target.layer_ids], dim=-1)
 
@@ -315,7 +315,7 @@ def _stop_ids(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
     return frozenset(int(token) for token in eos_token_id)
 
 
-def _drafter_autocast(
+def drafter_autocast(
     drafter: DFlashDrafter, dtype: torch.dtype | None
 ) -> contextlib.AbstractContextManager[object]:
     if dtype is None:

@@ -1,0 +1,242 @@
+"""DDTree: the DFlash drafter's block verified as a tree instead of a chain, and its acceptance length.
+
+Each round the drafter runs once on `[last token, MASK x (B-1)]` and gives one distribution per depth
+(the depths are drafted in parallel, so they are independent). From the top-K tokens of each depth a
+tree of at most `budget` nodes grows best first, scored by the sum of its path's per-depth
+log-probabilities: the first candidate is (depth 1, rank 0); popping (depth d, rank r) under some
+parent offers its sibling (d, r + 1) under the same parent and its child (d + 1, rank 0). Ranks are
+sorted, so every offer scores no higher than what offered it, and the nodes taken form a tree: the
+`budget` best paths of the product of the per-depth top-K lists that are closed under prefixes.
+
+The target verifies every node at once (an ancestor mask: a node sees the context, the root and its
+own ancestors); from the root, each step follows the child whose token is the target's greedy token
+there, and the first miss ends the round with the target's token as the next root. Greedy tree
+verification is lossless, so a round accepts exactly the longest prefix of the target's own greedy
+continuation that is a path of the tree. `tree_decode` computes tree acceptance that way, from the
+target's greedy decode and its hidden states (one forward over the decoded sequence): it needs no
+tree-masked target forward and so covers hybrid targets, whose linear-attention layers take no
+ancestor mask. `verified_tree_decode` runs the real tree-verification forward on an attention-only
+target; the two agree round for round (tests/test_tree.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from app.errors import UserError
+from app.evaluate.speculative import cut_round, drafter_autocast, tapped_features
+from app.model.drafter import DFlashDrafter
+from app.model.target import TargetModel
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """The nodes of one round's tree, in the order they were taken (best first). Node i holds
+    `tokens[i]` at depth `depths[i]` (1 = right after the root), under node `parents[i]` (-1: the root,
+    the round's last accepted token)."""
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+
+    def walk(self, next_token: Callable[[int, int], int | None]) -> list[int]:
+        """The nodes taken from the root, each the child of the last one (-1: the root) holding
+        `next_token(last node, depth so far)`, until that is None or no child holds it."""
+        children = {
+            (parent, token): node
+            for node, (parent, token) in enumerate(zip(self.parents, self.tokens, strict=True))
+        }
+        path: list[int] = []
+        node = -1
+        while (token := next_token(node, len(path))) is not None and (node, token) in children:
+            node = children[(node, token)]
+            path.append(node)
+        return path
+
+    def accepted(self, continuation: Sequence[int]) -> int:
+        """How many leading tokens of `continuation` (the target's greedy tokens after the root) are a
+        path of the tree from the root."""
+        return len(self.walk(lambda node, depth: continuation[depth] if depth < len(continuation) else None))
+
+    def visibility(self) -> torch.Tensor:
+        """`[1 + N, 1 + N]` bool: row i (0 = the root, i = node i - 1) sees itself, the root and its
+        ancestors: the ancestor mask of the verification forward."""
+        size = len(self.tokens) + 1
+        visible = torch.eye(size, dtype=torch.bool)
+        visible[:, 0] = True
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                visible[node + 1] |= visible[parent + 1]
+        return visible
+
+
+def build_tree(logits: torch.Tensor, budget: int, top_k: int) -> DraftTree:
+    """The best-first tree of at most `budget` nodes over per-depth logits `[D, V]` (module docstring)."""
+    if budget < 1 or top_k < 1:
+        raise UserError(f"tree: budget and top-k must be >= 1, got budget {budget}, top-k {top_k}")
+    top_k = min(top_k, logits.shape[-1])
+    values, indices = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    log_probs, token_ids = values.tolist(), indices.tolist()  # one transfer per round
+    depth_count = len(log_probs)
+    tree = DraftTree(tokens=[], parents=[], depths=[])
+    # (-score, depth, rank, parent node, parent's score): ties break by shallower, then better rank
+    frontier = [(-log_probs[0][0], 1, 0, -1, 0.0)]
+    while frontier and len(tree.tokens) < budget:
+        negative_score, depth, rank, parent, parent_score = heapq.heappop(frontier)
+        node = len(tree.tokens)
+        tree.tokens.append(token_ids[depth - 1][rank])
+        tree.parents.append(parent)
+        tree.depths.append(depth)
+        if rank + 1 < top_k:
+            sibling = parent_score + log_probs[depth - 1][rank + 1]
+            heapq.heappush(frontier, (-sibling, depth, rank + 1, parent, parent_score))
+        if depth < depth_count:
+            score = -negative_score
+            heapq.heappush(frontier, (-(score + log_probs[depth][0]), depth + 1, 0, node, score))
+    return tree
+
+
+@dataclass
+class TreeResult:
+    """Tree acceptance over a set of prompts for one (budget, top-K)."""
+
+    budget: int
+    top_k: int
+    block_size: int
+    acceptance_lengths: list[list[int]] = field(default_factory=list)
+    """Per prompt, the tokens each round emitted (accepted nodes + the target's token)."""
+
+    @property
+    def rounds(self) -> int:
+        return sum(len(lengths) for lengths in self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        rounds = self.rounds
+        return sum(map(sum, self.acceptance_lengths)) / rounds if rounds else math.nan
+
+    @property
+    def histogram(self) -> list[int]:
+        counts = [0] * self.block_size
+        for lengths in self.acceptance_lengths:
+            for length in lengths:
+                counts[length - 1] += 1
+        return counts
+
+
+@torch.inference_mode()
+def tree_decode(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    prompt: Sequence[int],
+    greedy: Sequence[int],
+    budget: int,
+    top_k: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[int]:
+    """Tree-verified rounds over `greedy`, the target's greedy decode after `prompt` (already cut at
+    the token budget and the end token): each round's acceptance length."""
+    sequence = torch.tensor([*prompt, *greedy], dtype=torch.long, device=target.device)
+    features = sequence_features(target, sequence)
+    context = drafter.new_cache()
+    positions = torch.arange(len(sequence), device=target.device)
+    with drafter_autocast(drafter, autocast_dtype):
+        drafter.extend_context(features[: len(prompt)], positions[: len(prompt)], context)
+    emitted, lengths, depth = 1, [], drafter.arch.block_size - 1
+    while emitted < len(greedy):
+        position = len(prompt) + emitted - 1  # of the round's root
+        with drafter_autocast(drafter, autocast_dtype):
+            logits = drafter.draft_logits(
+                context, sequence[position], position, target.embed_tokens, target.lm_head
+            )
+        accepted = build_tree(logits, budget, top_k).accepted(greedy[emitted : emitted + depth])
+        length = min(accepted + 1, len(greedy) - emitted)
+        lengths.append(length)
+        with drafter_autocast(drafter, autocast_dtype):
+            drafter.extend_context(
+                features[position : position + length], positions[position : position + length], context
+            )
+        emitted += length
+    return lengths
+
+
+def sequence_features(target: TargetModel, sequence: torch.Tensor) -> torch.Tensor:
+    """`[n, K*H]`: the tapped layers' outputs over a whole token sequence (causal: the same as the
+    verification forwards of any rounds that produced it)."""
+    return target.features(sequence[None])[0]
+
+
+@torch.inference_mode()
+def verified_tree_decode(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    budget: int,
+    top_k: int,
+) -> tuple[list[int], list[int]]:
+    """The real thing on an attention-only target: each round one target forward over the accepted
+    sequence plus the tree under its ancestor mask. Returns the generated tokens and each round's
+    acceptance length."""
+    if any(kind != "full_attention" for kind in getattr(target.text_config, "layer_types", None) or []):
+        raise UserError("tree verification forward: the target has layers that take no ancestor mask")
+    device = target.device
+    accepted = torch.tensor(list(prompt), dtype=torch.long, device=device)
+    logits, features = _masked_forward(target, accepted, None)
+    context = drafter.new_cache()
+    drafter.extend_context(features, torch.arange(len(prompt), device=device), context)
+    tokens, lengths = [int(logits[-1].argmax())], []
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        position = len(accepted)  # the root: the last emitted token
+        root = torch.tensor([tokens[-1]], device=device)
+        logits = drafter.draft_logits(context, root[0], position, target.embed_tokens, target.lm_head)
+        tree = build_tree(logits, budget, top_k)
+        block = torch.cat([root, torch.tensor(tree.tokens, dtype=torch.long, device=device)])
+        logits, features = _masked_forward(target, accepted, tree, block)
+        predicted = logits.argmax(dim=-1).tolist()  # the target's token after the root and each node
+        path = tree.walk(lambda node, depth, predicted=predicted: predicted[node + 1])
+        emitted = [tree.tokens[node] for node in path] + [predicted[path[-1] + 1 if path else 0]]
+        emitted = cut_round(emitted, max_new_tokens - len(tokens), stop_ids)
+        kept = torch.tensor([0, *[node + 1 for node in path]][: len(emitted)], device=device)
+        drafter.extend_context(features[kept], position + torch.arange(len(emitted), device=device), context)
+        accepted = torch.cat([accepted, block[kept]])
+        tokens += emitted
+        lengths.append(len(emitted))
+    return tokens, lengths
+
+
+def _masked_forward(
+    target: TargetModel, accepted: torch.Tensor, tree: DraftTree | None, block: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits `[n, V]` and tapped features `[n, K*H]` of `block` (or of `accepted` when there is no
+    tree) after the accepted sequence, each block token seeing the sequence and its own ancestors, at
+    position len(accepted) + its depth."""
+    if tree is None:
+        output = target.model(input_ids=accepted[None], use_cache=False, output_hidden_states=True)
+        return output.logits[0], tapped_features(target, output.hidden_states)
+    past, size = len(accepted), len(block)
+    visible = torch.ones(size, past + size, dtype=torch.bool, device=accepted.device)
+    visible[:, past:] = tree.visibility().to(accepted.device)
+    full = torch.ones(past, past, dtype=torch.bool, device=accepted.device).tril()
+    mask = torch.cat(
+        [torch.cat([full, torch.zeros(past, size, dtype=torch.bool, device=accepted.device)], 1), visible]
+    )
+    depths = torch.tensor([0, *tree.depths], device=accepted.device)
+    positions = torch.cat([torch.arange(past, device=accepted.device), past + depths])
+    bias = torch.zeros(mask.shape, dtype=target.dtype, device=accepted.device).masked_fill(
+        ~mask, torch.finfo(target.dtype).min
+    )
+    output = target.model(
+        input_ids=torch.cat([accepted, block])[None],
+        attention_mask=bias[None, None],
+        position_ids=positions[None],
+        use_cache=False,
+        output_hidden_states=True,
+    )
+    return output.logits[0, past:], tapped_features(target, output.hidden_states)[past:]

@@ -1,0 +1,147 @@
+"""DDTree: best-first tree construction, tree acceptance from the greedy decode, and the real
+tree-verification forward it must agree with (attention-only tiny Qwen3 target, CPU)."""
+
+import math
+
+import pytest
+import torch
+
+from app.errors import UserError
+from app.evaluate.speculative import speculative_generate
+from app.evaluate.tree import build_tree, tree_decode, verified_tree_decode
+from app.model.drafter import DFlashDrafter
+from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
+
+PROMPT = [5, 17, 42, 99, 3, 250, 11]
+NEW_TOKENS = 40
+NO_STOP: frozenset[int] = frozenset()
+
+
+def log_probs_to_logits(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows).log()
+
+
+def test_the_tree_grows_best_first_by_summed_log_probability_within_the_budget():
+    # depth 1: a 0.6, b 0.29, c 0.11; depth 2: x 0.5, y 0.4, z 0.1 (tokens a,b,c,x,y,z = 0..5)
+    logits = log_probs_to_logits([[0.6, 0.29, 0.11, 1e-9, 1e-9, 1e-9], [1e-9, 1e-9, 1e-9, 0.5, 0.4, 0.1]])
+    tree = build_tree(logits, budget=5, top_k=3)
+    # path scores: a .6, ax .3, b .29, ay .24, bx .145, by .116, c .11, ...
+    assert list(zip(tree.tokens, tree.parents, tree.depths, strict=True)) == [
+        (0, -1, 1),  # a
+        (3, 0, 2),  # ax
+        (1, -1, 1),  # b
+        (4, 0, 2),  # ay
+        (3, 2, 2),  # bx (b is node 2)
+    ]
+    assert build_tree(logits, budget=2, top_k=3).tokens == [0, 3]
+    assert (
+        build_tree(logits, budget=100, top_k=2).tokens.__len__() == 2 + 2 * 2
+    )  # every path of top-2 x top-2
+
+
+def test_acceptance_is_the_longest_prefix_on_a_path_and_the_mask_sees_ancestors_only():
+    logits = log_probs_to_logits([[0.6, 0.3, 0.1, 1e-9], [1e-9, 0.2, 0.1, 0.7]])
+    # top-2 a .6, b .3 then d .7, b .2: a .6, ad .42, b .3, bd .21 (ab .12 is past the budget)
+    tree = build_tree(logits, budget=4, top_k=2)
+    assert tree.tokens == [0, 3, 1, 3] and tree.parents == [-1, 0, -1, 2]
+    assert tree.accepted([0, 3, 9]) == 2 and tree.accepted([1, 3]) == 2
+    assert tree.accepted([0, 1]) == 1  # a -> b is not in the tree
+    assert tree.accepted([2]) == 0
+    visible = tree.visibility()
+    assert visible.tolist() == [
+        [True, False, False, False, False],  # the root sees itself
+        [True, True, False, False, False],  # a
+        [True, True, True, False, False],  # a -> d
+        [True, False, False, True, False],  # b: not a
+        [True, False, False, True, True],  # b -> d: not a, not a -> d
+    ]
+
+
+def test_bad_budgets_are_one_line_user_errors():
+    with pytest.raises(UserError, match=r"budget and top-k must be >= 1, got budget 0"):
+        build_tree(torch.zeros(3, 8), budget=0, top_k=4)
+
+
+class RankedDrafter(DFlashDrafter):
+    """Drafts from the known greedy continuation: at depth d of the block rooted at position p the
+    true token gets rank `rank(p, d)` (logits fall by 1 per rank), so the test knows which tree
+    holds it. Also checks that the context cache holds exactly the tokens before the root."""
+
+    def __init__(self, arch, prompt_length, continuation, rank):
+        super().__init__(arch, seed=0)
+        self.prompt_length, self.continuation, self.rank = prompt_length, continuation, rank
+
+    def draft_logits(self, cache, last_token_id, position, embed_tokens, lm_head):
+        assert torch.equal(cache.positions, torch.arange(position)), "context cache out of step"
+        vocab, depth = self.arch.vocab_size, self.arch.block_size - 1
+        start = position + 1 - self.prompt_length
+        truth = (self.continuation + [0] * depth)[start : start + depth]
+        rows = []
+        for d, token in enumerate(truth, start=1):
+            order = [
+                t
+                for t in torch.randperm(
+                    vocab, generator=torch.Generator().manual_seed(position * 31 + d)
+                ).tolist()
+                if t != token
+            ]
+            order.insert(self.rank(position, d), token)
+            row = torch.empty(vocab)
+            row[torch.tensor(order)] = -torch.arange(vocab, dtype=torch.float)
+            rows.append(row)
+        return torch.stack(rows)
+
+
+def pattern(position: int, depth: int) -> int:
+    """Rank of the true token: the top one, but the second at every third (position + depth)."""
+    return 1 if (position + depth) % 3 == 0 else 0
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    raw = random_target_config()
+    raw["drafter"]["block_size"] = 6
+    target, drafter = target_and_drafter(raw)
+    greedy = greedy_reference(target, PROMPT, NEW_TOKENS, None)
+    ranked = RankedDrafter(drafter.arch, len(PROMPT), greedy, pattern)
+    return target, ranked, greedy
+
+
+def test_top_1_with_budget_b_minus_1_is_the_chain_round_for_round(scripted):
+    target, drafter, greedy = scripted
+    chain = speculative_generate(target, drafter, PROMPT, NEW_TOKENS)
+    assert chain.tokens == greedy
+    assert max(chain.acceptance_lengths) > 1  # the test drafts some right tokens
+    depth = drafter.arch.block_size - 1
+    assert tree_decode(target, drafter, PROMPT, greedy, budget=depth, top_k=1) == chain.acceptance_lengths
+
+
+def test_a_tree_holding_the_top_1_chain_accepts_at_least_as_much_at_every_root(scripted):
+    target, drafter, greedy = scripted
+    depth, better, holding = drafter.arch.block_size - 1, 0, 0
+    features = target.features(torch.tensor([PROMPT + greedy]))[0]
+    for emitted in range(1, len(greedy) - depth):
+        position = len(PROMPT) + emitted - 1
+        context = drafter.new_cache()
+        drafter.extend_context(features[:position], torch.arange(position), context)
+        logits = drafter.draft_logits(context, greedy[emitted - 1], position, None, None)
+        continuation = greedy[emitted : emitted + depth]
+        top_1 = build_tree(logits, budget=depth, top_k=1)
+        chain = top_1.accepted(continuation)
+        tree = build_tree(logits, budget=32, top_k=4)
+        if tree.accepted(top_1.tokens) == depth:  # the tree holds the top-1 chain
+            holding += 1
+            assert tree.accepted(continuation) >= chain, emitted
+            better += tree.accepted(continuation) > chain
+    assert holding > len(greedy) // 2 and better > 0  # true tokens at rank 1-4: a tree finds some
+
+
+def test_tree_acceptance_from_the_greedy_decode_equals_a_real_tree_verification_forward(scripted):
+    target, drafter, greedy = scripted
+    tokens, verified = verified_tree_decode(target, drafter, PROMPT, NEW_TOKENS, NO_STOP, budget=32, top_k=3)
+    assert tokens == greedy  # lossless
+    simulated = tree_decode(target, drafter, PROMPT, greedy, budget=32, top_k=3)
+    assert simulated == verified
+    chain = speculative_generate(target, drafter, PROMPT, NEW_TOKENS).acceptance_lengths
+    assert sum(simulated) == sum(chain) and len(simulated) < len(chain)  # fewer rounds, same tokens
+    assert sum(simulated) / len(simulated) > sum(chain) / len(chain) and not math.isnan(sum(simulated))
