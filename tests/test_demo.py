@@ -24,3 +24,8 @@ def test_the_demo_run_writes_status_and_plots(tiny_lm_dir, tmp_path: Path) -> No
         lines[-1] == f"inspect the run: dflash status {result.run_dir} (plots in {result.run_dir / 'plots'})"
     )
     assert (result.export_dir / "config.json").is_file()
+    # chain and tree (DDTree at the default budget) tau, before and after
+    assert result.tree_tau_before is not None and result.tree_tau_after is not None
+    done = next(line for line in lines if line.startswith("demo done in"))
+    assert f"chain tau {result.tau_before:.2f}, tree tau {result.tree_tau_before:.2f} -> " in done
+    assert f"chain tau {result.tau_after:.2f}, tree tau {result.tree_tau_after:.2f} (block size" in done

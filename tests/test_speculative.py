@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -401,19 +402,34 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
 
     data = write_conversations(tmp_path / "c.jsonl")
     command = ["eval", str(run_dir), "--data", str(data), "--prompts", "2", "--max-new-tokens", "6"]
-    done = subprocess.run(
-        [sys.executable, "-m", "app", *command],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parents[1],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # see `single_thread`
-    )
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "app", *command, *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=Path(__file__).parents[1],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},  # see `single_thread`
+        )
+
+    done = run("--tree-budget", "4,16", "--tree-top-k", "3", "--per-prompt")
     assert done.returncode == 0, done.stderr
     assert "eval: step 3" in done.stdout and "2 prompts" in done.stdout
     assert "tau (mean acceptance length, max 4):" in done.stdout
     assert "target state between rounds: kv-cache" in done.stdout
     assert "acceptance histogram" in done.stdout and "    1: " in done.stdout
+    for budget in (4, 16):
+        assert re.search(rf"tree tau \(DDTree, budget {budget}, top-3 per depth\): \d\.\d{{3}} ", done.stdout)
+    assert re.search(
+        r"prompt 1: \d+ tokens, chain tau \d\.\d{3}, tree tau \(budget 4\) \d\.\d{3}, tree tau \(budget 16\)",
+        done.stdout,
+    )
+
+    bad = run("--tree-budget", "4,lots")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "dflash: error: --tree-budget: expected node budgets >= 0 separated by commas, got '4,lots'"
+    )
 
 
 def test_the_evaluator_stops_at_every_end_token_and_keeps_the_training_mode(tiny_tokenizer):

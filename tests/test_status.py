@@ -4,6 +4,7 @@ fed to the real watches), a crashed run (a real non-finite loss), and the PNG pl
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import threading
@@ -90,6 +91,7 @@ def test_healthy_run_status_file(healthy_run: Path) -> None:
     assert status["last_checkpoint"]["step"] == 4
     assert Path(status["last_checkpoint"]["path"]).name == "step_00000004"
     assert status["eval"]["step"] == 4 and status["eval"]["tau"] >= 1
+    assert status["eval"]["tree_tau"] >= 1 and status["eval"]["tree_budget"] == 64  # the default budget
     assert status["throughput"]["tokens_per_s"] > 0 and status["throughput"]["baseline"] is None
     assert status["fingerprint"]["torch"].startswith("2.") and status["goal"]["max_steps"] == 4
     assert status["compile"]["compiled"] is False and status["compile"]["device"] == "cpu"
@@ -103,14 +105,15 @@ def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) 
     assert f"run healthy ({healthy_run})" in text
     assert "goal: train a 1-layer DFlash drafter (block 4, 16 anchors) for builtin tiny-lm" in text
     assert "state: completed at step 4" in text and "health: HEALTHY (0 events)" in text
-    assert "eval tau" in text and "Ktok/s" in text
+    assert re.search(r"eval tau \d\.\d{3}, tree tau \d\.\d{3} at budget 64 \(step 4\)", text)
+    assert "Ktok/s" in text
     assert "compile: eager on cpu (no compiled kernels on this device)" in text
     assert "what changed: no completed, healthy run next to this one" in text
     assert "last checkpoint: " in text and "step_00000004 (step 4" in text
     assert f"dflash export {healthy_run}" in text
 
     plots = {path.stem: path for path in (healthy_run / "plots").glob("*.png")}
-    assert set(plots) == {"loss", "acc", "tau", "tokens_per_s"}
+    assert set(plots) == {"loss", "acc", "tau", "tree_tau", "tokens_per_s"}
     for path in plots.values():
         assert path.stat().st_size > 10_000
         with Image.open(path) as image:

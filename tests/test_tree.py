@@ -113,7 +113,7 @@ def test_top_1_with_budget_b_minus_1_is_the_chain_round_for_round(scripted):
     assert chain.tokens == greedy
     assert max(chain.acceptance_lengths) > 1  # the test drafts some right tokens
     depth = drafter.arch.block_size - 1
-    assert tree_decode(target, drafter, PROMPT, greedy, budget=depth, top_k=1) == chain.acceptance_lengths
+    assert tree_decode(target, drafter, PROMPT, greedy, [depth], top_k=1) == {depth: chain.acceptance_lengths}
 
 
 def test_a_tree_holding_the_top_1_chain_accepts_at_least_as_much_at_every_root(scripted):
@@ -140,7 +140,7 @@ def test_tree_acceptance_from_the_greedy_decode_equals_a_real_tree_verification_
     target, drafter, greedy = scripted
     tokens, verified = verified_tree_decode(target, drafter, PROMPT, NEW_TOKENS, NO_STOP, budget=32, top_k=3)
     assert tokens == greedy  # lossless
-    simulated = tree_decode(target, drafter, PROMPT, greedy, budget=32, top_k=3)
+    simulated = tree_decode(target, drafter, PROMPT, greedy, [32], top_k=3)[32]
     assert simulated == verified
     chain = speculative_generate(target, drafter, PROMPT, NEW_TOKENS).acceptance_lengths
     assert sum(simulated) == sum(chain) and len(simulated) < len(chain)  # fewer rounds, same tokens

@@ -279,6 +279,13 @@ class TrainConfig(Section):
     eval_max_new_tokens: int = Field(64, ge=1)
     """Tokens generated per eval prompt."""
 
+    eval_tree_budget: int = Field(64, ge=0)
+    """Nodes of the DDTree tree whose acceptance length (tree tau) each eval reports beside the
+    chain's; 0: the chain only. `dflash eval --tree-budget` measures other budgets."""
+
+    eval_tree_top_k: int = Field(8, ge=1)
+    """Tokens per depth the tree chooses among: the top-K of the drafter's distribution at each depth."""
+
     reschedule: bool = False
     """On `--resume`, follow this config's learning-rate schedule (total steps from epochs, max_steps
     and the ranks; lr, warm-up, decay) from the resumed step on, even where it differs from the

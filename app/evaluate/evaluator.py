@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from app.config import RunConfig
 from app.errors import UserError
 from app.evaluate.speculative import EvalResult, evaluate_tau
+from app.evaluate.tree import evaluate_trees
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel
 
@@ -29,23 +30,30 @@ class Evaluator:
         tokenizer: PreTrainedTokenizerBase,
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int | None = None,
+        tree_budgets: Sequence[int] | None = None,
+        tree_top_k: int | None = None,
     ) -> None:
-        """`max_new_tokens` None: `train.eval_max_new_tokens`."""
+        """None: the config's `train.eval_max_new_tokens`, `[train.eval_tree_budget]` (none when 0)
+        and `train.eval_tree_top_k`."""
         if not prompts:
             raise UserError("eval: no prompts to evaluate")
         self.target = target
         self.prompts = [list(prompt) for prompt in prompts]
         self.max_new_tokens = max_new_tokens or config.train.eval_max_new_tokens
         self.stop_token_ids = stop_token_ids(tokenizer, target)
+        budget = config.train.eval_tree_budget
+        self.tree_budgets = list(tree_budgets if tree_budgets is not None else [budget] if budget else [])
+        self.tree_top_k = tree_top_k or config.train.eval_tree_top_k
         bf16 = target.device.type == "cuda" and config.train.precision == "bf16"
         self.autocast_dtype = torch.bfloat16 if bf16 else None
 
     def __call__(self, drafter: DFlashDrafter) -> EvalResult:
-        """tau of `drafter` (in eval mode for the decode; its training mode is restored after)."""
+        """Chain tau of `drafter` and tree tau at each budget (in eval mode for the decodes; its
+        training mode is restored after)."""
         was_training = drafter.training
         drafter.eval()
         try:
-            return evaluate_tau(
+            result = evaluate_tau(
                 self.target,
                 drafter,
                 self.prompts,
@@ -53,6 +61,16 @@ class Evaluator:
                 eos_token_id=self.stop_token_ids,
                 autocast_dtype=self.autocast_dtype,
             )
+            result.trees = evaluate_trees(
+                self.target,
+                drafter,
+                self.prompts,
+                result,
+                self.tree_budgets,
+                self.tree_top_k,
+                self.autocast_dtype,
+            )
+            return result
         finally:
             drafter.train(was_training)
 

@@ -32,7 +32,7 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import DynamicCache
@@ -41,6 +41,9 @@ from transformers.cache_utils import DynamicLayer
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel
+
+if TYPE_CHECKING:
+    from app.evaluate.tree import TreeResult
 
 TargetCacheMode = Literal["kv-cache", "recompute"]
 
@@ -68,6 +71,13 @@ class EvalResult:
     block_size: int
     target_cache: TargetCacheMode
     per_prompt: list[GenerationResult] = field(default_factory=list)
+    trees: list[TreeResult] = field(default_factory=list)
+    """Tree acceptance (DDTree) over the same prompts and decodes, one per budget measured."""
+
+    @property
+    def tree_tau(self) -> float | None:
+        """tau of the first tree budget measured (the configured one in periodic eval); None without."""
+        return self.trees[0].tau if self.trees else None
 
     @property
     def histogram(self) -> list[int]:
@@ -99,7 +109,29 @@ class EvalResult:
         for length, count in enumerate(histogram, start=1):
             bar = "#" * round(40 * count / widest) if widest else ""
             lines.append(f"  {length:>3}: {count:>6} {bar}")
+        for tree in self.trees:
+            gain = tree.tau / self.tau - 1 if self.tau and not math.isnan(self.tau) else math.nan
+            counts = " ".join(f"{length}:{count}" for length, count in enumerate(tree.histogram, 1) if count)
+            lines += [
+                f"tree tau (DDTree, budget {tree.budget}, top-{tree.top_k} per depth): {tree.tau:.3f} "
+                f"({gain:+.1%} vs the chain) over {tree.rounds} rounds",
+                f"  tokens emitted per round: rounds: {counts}",
+            ]
         return lines
+
+    def describe_prompts(self) -> list[str]:
+        """One line per prompt: its chain tau and each tree budget's."""
+        lines = []
+        for index, result in enumerate(self.per_prompt):
+            line = f"prompt {index}: {len(result.tokens)} tokens, chain tau {_mean(result.acceptance_lengths):.3f}"
+            for tree in self.trees:
+                line += f", tree tau (budget {tree.budget}) {_mean(tree.acceptance_lengths[index]):.3f}"
+            lines.append(line)
+        return lines
+
+
+def _mean(lengths: list[int]) -> float:
+    return sum(lengths) / len(lengths) if lengths else math.nan
 
 
 def evaluate_tau(

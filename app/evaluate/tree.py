@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.errors import UserError
-from app.evaluate.speculative import cut_round, drafter_autocast, tapped_features
+from app.evaluate.speculative import EvalResult, cut_round, drafter_autocast, tapped_features
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel
 
@@ -129,27 +129,64 @@ class TreeResult:
         return counts
 
 
+def evaluate_trees(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    prompts: Sequence[Sequence[int]],
+    chain: EvalResult,
+    budgets: Sequence[int],
+    top_k: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[TreeResult]:
+    """Tree acceptance at each of `budgets` over the prompts whose greedy decodes `chain` holds (the
+    chain's output is the target's greedy decode: verification is lossless)."""
+    results = [TreeResult(budget, top_k, drafter.arch.block_size) for budget in budgets]
+    for prompt, decoded in zip(prompts, chain.per_prompt, strict=True):
+        per_budget = tree_decode(target, drafter, prompt, decoded.tokens, budgets, top_k, autocast_dtype)
+        for result in results:
+            result.acceptance_lengths.append(per_budget[result.budget])
+    return results
+
+
 @torch.inference_mode()
 def tree_decode(
     target: TargetModel,
     drafter: DFlashDrafter,
     prompt: Sequence[int],
     greedy: Sequence[int],
-    budget: int,
+    budgets: Sequence[int],
     top_k: int,
     autocast_dtype: torch.dtype | None = None,
-) -> list[int]:
+) -> dict[int, list[int]]:
     """Tree-verified rounds over `greedy`, the target's greedy decode after `prompt` (already cut at
-    the token budget and the end token): each round's acceptance length."""
+    the token budget and the end token): per budget, each round's acceptance length. One target
+    forward over the sequence serves every budget."""
     sequence = torch.tensor([*prompt, *greedy], dtype=torch.long, device=target.device)
     features = sequence_features(target, sequence)
+    return {
+        budget: _tree_rounds(target, drafter, sequence, features, len(prompt), budget, top_k, autocast_dtype)
+        for budget in budgets
+    }
+
+
+def _tree_rounds(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    sequence: torch.Tensor,
+    features: torch.Tensor,
+    prompt_length: int,
+    budget: int,
+    top_k: int,
+    autocast_dtype: torch.dtype | None,
+) -> list[int]:
+    greedy = sequence[prompt_length:].tolist()
     context = drafter.new_cache()
     positions = torch.arange(len(sequence), device=target.device)
     with drafter_autocast(drafter, autocast_dtype):
-        drafter.extend_context(features[: len(prompt)], positions[: len(prompt)], context)
+        drafter.extend_context(features[:prompt_length], positions[:prompt_length], context)
     emitted, lengths, depth = 1, [], drafter.arch.block_size - 1
     while emitted < len(greedy):
-        position = len(prompt) + emitted - 1  # of the round's root
+        position = prompt_length + emitted - 1  # of the round's root
         with drafter_autocast(drafter, autocast_dtype):
             logits = drafter.draft_logits(
                 context, sequence[position], position, target.embed_tokens, target.lm_head

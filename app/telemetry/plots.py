@@ -1,4 +1,4 @@
-"""PNG plots of a run's metrics.jsonl: loss, acc, eval tau and throughput over steps.
+"""PNG plots of a run's metrics.jsonl: loss, acc, eval tau (chain and tree) and throughput over steps.
 
 A resumed run appends to metrics.jsonl again from its checkpoint's step, so a step can appear twice:
 the later record wins (it is the one the surviving weights saw). A line cut short by a crash is skipped.
@@ -47,6 +47,11 @@ def write_plots(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
         "tau": (
             "eval acceptance length tau",
             [r["eval"].get("tau") for r in evals],
+            [r["step"] for r in evals],
+        ),
+        "tree_tau": (
+            "eval tree acceptance length (DDTree, the configured budget)",
+            [r["eval"].get("tree_tau") for r in evals],
             [r["step"] for r in evals],
         ),
         "tokens_per_s": ("throughput (tokens/s)", [r.get("tokens_per_s") for r in train], steps),

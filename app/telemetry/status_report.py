@@ -148,7 +148,12 @@ def _progress_line(status: dict[str, Any]) -> str:
     if progress.get("loss") is not None:
         line += f"; loss {progress['loss']:.4f} acc {progress.get('acc', 0):.3f} streak {progress.get('streak', 0):.2f}"
     if status.get("eval"):
-        line += f"; eval tau {status['eval'].get('tau', 0):.3f} (step {status['eval'].get('step')})"
+        evaluated = status["eval"]
+        tree = evaluated.get("tree_tau")
+        tree_text = (
+            f", tree tau {tree:.3f} at budget {evaluated.get('tree_budget')}" if tree is not None else ""
+        )
+        line += f"; eval tau {evaluated.get('tau', 0):.3f}{tree_text} (step {evaluated.get('step')})"
     return line
 
 

@@ -464,12 +464,19 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Acceptance length tau of the current drafter on held-out prompts (greedy speculative decoding)."""
         result = self.evaluator(self.drafter)
+        tree = {"tree_tau": result.tree_tau, "tree_budget": result.trees[0].budget} if result.trees else {}
         record = {
             "step": self.step,
-            "eval": {"tau": result.tau, "rounds": result.rounds, "generated_tokens": result.generated_tokens},
+            "eval": {
+                "tau": result.tau,
+                **tree,
+                "rounds": result.rounds,
+                "generated_tokens": result.generated_tokens,
+            },
         }
+        tree_text = f" (tree tau={result.tree_tau:.3f} at budget {tree['tree_budget']})" if tree else ""
         self.log(
-            f"eval step={self.step}: tau={result.tau:.3f} over {result.rounds} rounds of "
+            f"eval step={self.step}: tau={result.tau:.3f}{tree_text} over {result.rounds} rounds of "
             f"{len(self.evaluator.prompts)} prompts"
         )
         self.telemetry.on_record(record)
