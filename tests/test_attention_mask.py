@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
+from app.data.batch import DrafterRow
 from app.data.synthetic import synthetic_row
 from app.model.attention import _training_mask_mod as training_mask_mod
 from app.model.attention import (
@@ -30,11 +31,14 @@ def brute_force_mask(row, block_size, window=None):
         if not valid[block]:
             continue
         anchor = anchors[block]
+        # a sliding window is per query: block slot s at position anchor + s sees [anchor + s - (window - 1), anchor + s]
+        window_start = anchor + slot - (window - 1) if window is not None else 0
         for key in range(context_len):
-            in_window = window is None or key >= anchor - window
+            in_window = key >= window_start
             mask[query, key] = key < anchor and documents[key] == documents[anchor] and in_window
         for key_slot in range(block_size):
-            mask[query, context_len + block * block_size + key_slot] = window is None or key_slot <= slot
+            in_window = window is None or anchor + slot - (window - 1) <= anchor + key_slot <= anchor + slot
+            mask[query, context_len + block * block_size + key_slot] = in_window
     return mask
 
 
@@ -62,6 +66,25 @@ def tile_summary(dense, tile=128):
     return any_true, all_true & any_true
 
 
+def test_a_sliding_window_is_per_query_as_the_serving_engines_apply_it():
+    """Written out by hand: one document of 8 tokens, one block at anchor 5, block 3, window 3. Slot o
+    (position 5 + o) sees positions [5 + o - 2, 5 + o]: context 3, 4 and slot 0; context 4 and slots
+    0-1; slots 0-2 (the anchor-relative rule would give every slot context 2, 3, 4)."""
+    row = DrafterRow(
+        input_ids=torch.arange(8), position_ids=torch.arange(8), document_ids=torch.zeros(8, dtype=torch.int32),
+        loss_mask=torch.ones(8, dtype=torch.bool), anchor_positions=torch.tensor([5]),
+        anchor_valid=torch.tensor([True]),
+    )  # fmt: skip
+    #           context 0-7               block slots 0-2
+    expected = [
+        [0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1],
+    ]
+    assert dense_training_mask(row, 3, sliding_window=3).int().tolist() == expected
+    assert brute_force_mask(row, 3, window=3).int().tolist() == expected
+
+
 ROWS = {
     # name: (token_budget, anchors, documents, padding, valid anchors)
     "several documents, padding, dead slots": (256, 40, 4, 30, 29),
@@ -85,12 +108,12 @@ def row(request):
     )
 
 
-@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("window", [None, 9, 2])  # 2 < BLOCK: early block slots leave the window
 def test_dense_mask_equals_brute_force(row, window):
     assert torch.equal(dense_training_mask(row, BLOCK, window), brute_force_mask(row, BLOCK, window))
 
 
-@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("window", [None, 9, 2])
 def test_block_mask_tiles_match_brute_force(row, window):
     block_mask = training_block_mask(row, BLOCK, window)
     expected = brute_force_mask(row, BLOCK, window)
@@ -116,7 +139,7 @@ BLOCK_MASK_TENSORS = (
 
 
 @pytest.mark.parametrize("block_size", [4, 16, 12])  # 12 does not divide flex's 128-wide tiles
-@pytest.mark.parametrize("window", [None, 9, 200])
+@pytest.mark.parametrize("window", [None, 9, 200, 2])
 def test_block_mask_is_the_one_create_block_mask_makes_from_the_rule(row, block_size, window):
     """Built from the rule's intervals, the BlockMask is create_block_mask's, tensor for tensor."""
     mask_mod = training_mask_mod(row, block_size, window)

@@ -4,8 +4,10 @@ Queries are the `A x B` block tokens of a packed row (anchor j's block is querie
 keys are the row's `T` context tokens followed by the same `A x B` block tokens. A query of block j
 sees the context of its own document strictly before anchor j, and every key of its own block
 (bidirectional); nothing else. Unused anchor slots see nothing (flex returns zeros for such rows,
-with zero gradients). Sliding-window layers also limit the context to the last `window` tokens
-before the anchor and are causal inside the block.
+with zero gradients). Sliding-window layers use the serving engines' per-query window (SGLang, vLLM,
+Hugging Face): block slot o, at position anchor + o, sees the keys at positions
+[anchor + o - (window - 1), anchor + o], so the context it sees shrinks by one per slot and the block
+is causal (the drafter is trained and evaluated with the mask it is served with).
 
 Kernels (the incident: uncompiled flex on CUDA ran 4-5x slower with volatile memory, silently):
 compiled flex_attention with a BlockMask on CUDA, always; it is compiled outside the model code
@@ -146,10 +148,13 @@ def _visible_tiles(
     slot, offset = queries // block_size, queries % block_size
     anchor = row.anchor_positions[slot]
     context_start = _document_starts(row.document_ids)[anchor]
-    if sliding_window is not None:
-        context_start = torch.maximum(context_start, anchor - sliding_window)
     block_start = context_len + slot * block_size
-    block_end = block_start + (offset + 1 if sliding_window is not None else block_size)
+    block_end = block_start + block_size
+    if sliding_window is not None:  # the per-query window: positions anchor + offset - (window - 1) on
+        window_start = anchor + offset - (sliding_window - 1)
+        context_start = torch.maximum(context_start, window_start)
+        block_end = block_start + offset + 1
+        block_start = block_start + (window_start - anchor).clamp(min=0)
 
     tile_start = torch.arange(0, key_len, FLEX_TILE, device=device)
     tile_end = tile_start + FLEX_TILE
@@ -201,9 +206,11 @@ def _training_mask_mod(row: DrafterRow, block_size: int, sliding_window: int | N
         )
         block_key = kv_idx - context_len  # negative on context keys, so never equal to a block index there
         sees_block = (block_key >= 0) & (block_key // block_size == block)
-        if sliding_window is not None:
-            sees_context = sees_context & (context_idx >= anchor - sliding_window)
-            sees_block = sees_block & (block_key % block_size <= q_idx % block_size)
+        if sliding_window is not None:  # the per-query window (module docstring)
+            offset = q_idx % block_size
+            sees_context = sees_context & (context_idx >= anchor + offset - (sliding_window - 1))
+            key_slot = block_key % block_size
+            sees_block = sees_block & (key_slot <= offset) & (key_slot >= offset - (sliding_window - 1))
         return anchor_valid[block] & (sees_context | sees_block)
 
     return mask_mod

@@ -474,11 +474,12 @@ class DFlashDrafter(nn.Module):
     def _inference_mask(self, cache: ContextCache, position: int, window: int | None) -> torch.Tensor | None:
         if window is None:
             return None  # every cached context token and the whole block
-        block = self.arch.block_size
-        device = cache.positions.device
-        context = (cache.positions >= position - window)[None, :].expand(block, -1)
-        causal = torch.ones(block, block, dtype=torch.bool, device=device).tril()
-        return torch.cat([context, causal], dim=1)
+        # the per-query window (app/model/attention.py): slot o sees [position + o - (window - 1), position + o]
+        slots = torch.arange(self.arch.block_size, device=cache.positions.device)
+        window_start = position + slots[:, None] - (window - 1)
+        context = cache.positions[None, :] >= window_start
+        block = (slots[None, :] <= slots[:, None]) & (position + slots[None, :] >= window_start)
+        return torch.cat([context, block], dim=1)
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.Tensor:
         """Without autocast, bring target-dtype inputs (bf16 features/embeddings) to the weights' dtype."""
