@@ -41,6 +41,11 @@ def test_production_config_matches_the_incident() -> None:
     assert config.drafter.mask_token_id == 248070
     assert (config.topology.target_ranks, config.topology.drafter_ranks) == (5, 3)
     assert config.train.precision == "bf16" and config.train.epochs == 6
+    # the published Qwen3.6-27B DFlash drafter layout, so a run can start from a published drafter
+    drafter = config.drafter
+    assert (drafter.num_attention_heads, drafter.num_key_value_heads, drafter.head_dim) == (32, 8, 128)
+    assert drafter.intermediate_size == 17408
+    assert (drafter.sliding_window, drafter.sliding_window_layers) == (2048, [0, 1, 2, 3])
 
 
 def test_defaults_are_the_documented_ones(tmp_path: Path) -> None:
