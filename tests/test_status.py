@@ -103,6 +103,7 @@ def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) 
     assert f"run healthy ({healthy_run})" in text
     assert "goal: train a 1-layer DFlash drafter (block 4, 16 anchors) for builtin tiny-lm" in text
     assert "state: completed at step 4" in text and "health: HEALTHY (0 events)" in text
+    assert "progress: step 4 of 4, epoch " in text  # the log records carry the run's total
     assert "eval tau" in text and "Ktok/s" in text
     assert "compile: eager on cpu (no compiled kernels on this device)" in text
     assert "what changed: no completed, healthy run next to this one" in text
@@ -165,7 +166,7 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
         reserved = 70.0 if step < 150 else 78.0
         log_like_the_trainer(reporters, watches, record(
             step, drafter_batches_per_s=0.9 if slow else 4.0, tokens_per_s=4600.0 if slow else 21_500.0,
-            memory_gb=(60.0, reserved),
+            memory_gb=(60.0, reserved), mfu=0.125 if slow else 0.6,
         ))  # fmt: skip
     status = read_status(run_dir)
     assert status["state"] == "running" and status["health"]["state"] == "degraded"
@@ -180,6 +181,7 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
         "(compile cache /cache/3f9c0d1e)" in text
     )
     assert "22% of the baseline (compile cache /cache/3f9c0d1e)" in text
+    assert "4.6Ktok/s, 1.11 s/step, mfu 12.5% (mean of the last 5 log lines)" in text
     assert "compile: cache 3f9c0d1e loaded from /cache/3f9c0d1e; warm-up 8.9s with 0 cache misses" in text
     assert "step 150: memory: reserved GPU memory grew 11%" in text
     assert f"what changed since the last good run {healthy_run} (newest completed healthy sibling):" in text

@@ -362,6 +362,11 @@ class TelemetryConfig(Section):
     log_every: int = Field(10, ge=1)
     """Optimizer steps between log lines."""
 
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak TFLOP/s of one device that the log line's `mfu` divides the drafter's useful FLOP/s by.
+    None: the datasheet dense bf16 peak of a known GPU (H100, H200, B200, A100, L40S, ...) when the run
+    trains in bf16; on a CPU, an unknown GPU or in fp32, mfu is not shown."""
+
     status_every: int = Field(10, ge=1)
     """Optimizer steps between atomic status.json updates."""
 
