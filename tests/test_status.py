@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import threading
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,7 +13,6 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from app.cli import main
 from app.compile.guard import throughput_watch
 from app.config import load_config
 from app.errors import UserError
@@ -24,29 +21,9 @@ from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
 from app.train.trainer import NonFiniteLoss, Trainer
-from tests.helpers import small_config
+from tests.helpers import dflash, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def dflash(capsys, monkeypatch, *args: str) -> Done:
-    """The `dflash` console script's entry point, in this process (the CLI code path without a new interpreter)."""
-    monkeypatch.setattr(sys, "argv", ["dflash", *args])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as done:
-        code = done.code or 0
-    out, err = capsys.readouterr()
-    return Done(code, out, err)
 
 
 def quiet(line: str) -> None:

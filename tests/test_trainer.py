@@ -156,13 +156,14 @@ def test_the_log_line_mfu_is_the_useful_flops_of_the_batches_trained(
 
 
 def test_empty_dataset_is_refused_before_any_model_loads(tiny_tokenizer_dir, tmp_path: Path) -> None:
-    """All records too short: a one-line error naming the file, raised while the target path does not even exist."""
+    """All records too short: a one-line error naming the file, raised while the target path holds no model."""
+    (tmp_path / "no-model").mkdir()
     data = tmp_path / "short.jsonl"
     record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
     data.write_text(json.dumps(record) + "\n")
     config_file = tmp_path / "run.toml"
     config_file.write_text(
-        f'[target]\npath = "{tmp_path / "no-such-model"}"\ntokenizer = "{tiny_tokenizer_dir}"\n'
+        f'[target]\npath = "{tmp_path / "no-model"}"\ntokenizer = "{tiny_tokenizer_dir}"\n'
         f"[drafter]\nmask_token_id = 3\nblock_size = 4\n"
         f'[data]\ntrain_files = ["{data}"]\ntoken_budget = 256\nmax_length = 256\n'
         f'[train]\nanchors = 16\noutput_dir = "{tmp_path / "run"}"\ndevice = "cpu"\n'

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from app.config.schema import BUILTIN_TARGETS, RunConfig, TargetConfig
+from app.config.schema import BUILTIN_TARGETS, TARGET_SOURCES, RunConfig, TargetConfig
 from app.errors import UserError
 
 
@@ -249,5 +249,16 @@ def _describe(error: ValidationError) -> str:
         template.format(**first.get("ctx", {})) if template else first["msg"][0].lower() + first["msg"][1:]
     )
     if first["type"] == "missing":
-        return f"{key}: {expectation}"
+        return f"{key}: {expectation}{_what_is_required(key)}"
     return f"{key}: {expectation}, got {first['input']!r}"
+
+
+def _what_is_required(key: str) -> str:
+    """What a missing section needs: the target one of its sources, any other its required fields."""
+    if key == "target":
+        choices = [f"target.{name} ({takes})" for name, takes in TARGET_SOURCES.items()]
+        return f": set {', '.join(choices[:-1])} or {choices[-1]}"
+    section = _section_model(RunConfig, key) if key in RunConfig.model_fields else None
+    fields = section.model_fields if section is not None else {}
+    required = [f"{key}.{name}" for name, field in fields.items() if field.is_required()]
+    return f" (with {', '.join(required)})" if required else ""
