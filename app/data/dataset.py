@@ -200,17 +200,22 @@ def load_tokenized(
     return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
 
 
+def min_supervised_tokens(config: RunConfig) -> int:
+    """Supervised tokens a training sample needs: 2 x block_size (fewer cannot fill a block)."""
+    return 2 * config.drafter.block_size
+
+
 def load_training_data(
     config: RunConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[TokenizedDataset, TokenizedDataset]:
     """(train, eval) datasets of a run: eval from `data.eval_files`, else held out of the training files.
 
-    Training samples need 2 x block_size supervised tokens (fewer cannot fill a block); eval
-    samples only need their prompt and one assistant turn.
+    Training samples need `min_supervised_tokens`; eval samples only need their prompt and one
+    assistant turn.
     """
     data = config.data
     train = load_tokenized(
-        data.train_files, data, tokenizer, min_supervised_tokens=2 * config.drafter.block_size
+        data.train_files, data, tokenizer, min_supervised_tokens=min_supervised_tokens(config)
     )
     if data.eval_files:
         return train, load_tokenized(data.eval_files, data, tokenizer, min_supervised_tokens=1)
