@@ -13,6 +13,7 @@ import sys
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,29 @@ def run_dflash(
     command = [sys.executable, "-m", "app", *args]
     environment = {**os.environ, **env} if env else None
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=environment)
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def dflash(capsys, monkeypatch, *args: str) -> Done:
+    """The `dflash` console script's entry point, in this process (the CLI code path without a new
+    interpreter, so without its start-up time): exit code and output."""
+    from app.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["dflash", *args])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        code = done.code or 0
+    out, err = capsys.readouterr()
+    return Done(code, out, err)
 
 
 def run_dflash_with_file_size_limit(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, default_gamma, default_target_layer_ids, load_config
-from tests.helpers import run_dflash
+from tests.helpers import dflash, run_dflash
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -95,7 +95,7 @@ def test_bound_violation_reads_like_the_rule(tmp_path: Path) -> None:
             ["topology.target_ranks=5", "topology.drafter_ranks=3"],
             r"target_ranks \+ drafter_ranks must equal",
         ),
-        (["target.path=/models/x"], r"exactly one of target\.path, target\.architecture, target\.builtin"),
+        (["target.path=/models/x"], r"exactly one of target\.path, target\.builtin, target\.architecture"),
         (
             ["train.anchors=4096", "data.token_budget=2048", "data.max_length=512"],
             r"train\.anchors: must be <=",
@@ -216,7 +216,8 @@ def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
     elsewhere = run_dflash("config", "show", "configs/qwen3.6-27b.toml")  # its target is not on this machine
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert "target_layer_ids = [1, 16, 31, 46, 61]" in elsewhere.stdout  # set in the file
-    assert "num_attention_heads = null" in elsewhere.stdout  # from the target, which is not here
+    assert "num_attention_heads = 32" in elsewhere.stdout  # the published drafter layout, set in the file
+    assert "rope_theta = null" in elsewhere.stdout  # from the target, which is not here
     assert elsewhere.stderr.startswith("# defaults derived from the target left unset (null): target.path:")
 
     bad = run_dflash("config", "show", "configs/tiny.toml", "train.lr=-1")
@@ -258,3 +259,42 @@ def test_cli_config_schema_shows_the_values_a_field_takes() -> None:
     assert rows["target_layer_ids"] == "list[int] | null"
     assert rows["betas"] == "tuple[float, float]"
     assert rows["max_steps"] == "int | null"
+
+
+def test_misleading_inputs_get_one_line_naming_the_file_or_field(
+    tiny_lm_dir, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """Each through `dflash train`, exit 2: a config without a target names the ways to set one; a
+    target.path that is not there says so before a tokenizer loader reads it as a hub repo id; a .json
+    data file that is not JSON says where it stops being JSON (not "no messages column among []")."""
+    no_target = write(tmp_path, "[drafter]\nmask_token_id = 3\n", "no-target.toml")
+    missing = tmp_path / "models" / "Qwen3-8B"
+    no_model = write(
+        tmp_path, f'[target]\npath = "{missing}"\n[drafter]\nmask_token_id = 3\n[train]\ndevice = "cpu"\n'
+        f'output_dir = "{tmp_path / "run"}"\n', "no-model.toml",
+    )  # fmt: skip
+    not_json = write(
+        tmp_path,
+        '[\n  {"messages": [{"role": "user", "content": "hi"}]\n  {"messages": []}\n]\n',
+        "data.json",
+    )
+    cases = [
+        (
+            [str(no_target)],
+            f"{no_target}: target: is required: set target.path (a local Hugging Face model directory), "
+            'target.builtin ("tiny-lm", the CPU demo\'s) or target.architecture (a Hugging Face config, for a '
+            "random-weight target)",
+        ),
+        (
+            [str(no_model)],
+            f"target.path: {missing} does not exist (expected a local Hugging Face model directory)",
+        ),
+        (
+            ["configs/tiny.toml", f"data.train_files={not_json}", f"train.output_dir={tmp_path / 'run2'}"],
+            f"{not_json}: not valid JSON: Expecting ',' delimiter (line 3, column 3)",
+        ),
+    ]
+    for args, message in cases:
+        done = dflash(capsys, monkeypatch, "train", *args)
+        assert (done.returncode, done.stderr.splitlines()[-1:]) == (2, [f"dflash: error: {message}"])
+        assert "Traceback" not in done.stderr and "Failed to load JSON" not in done.stderr

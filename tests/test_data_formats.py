@@ -260,6 +260,35 @@ def test_malformed_records_are_counted_with_file_index_and_reason(tmp_path, tiny
     assert "4 malformed" in summary.describe() and "record 5: no assistant turn" in summary.describe()
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("cut.json", '{"messages": [\n  {"role": "user", "content": "hi"},\n', r"Expecting value \(line 3, column 1\)"),
+        # every line of the array is a record alone, but the document is not JSON
+        ("array.json", f"[\n  {json.dumps(conversation(0))}\n  {json.dumps(conversation(1))}\n]\n",
+         r"Expecting ',' delimiter \(line 3, column 3\)"),
+    ],
+)  # fmt: skip
+def test_a_json_document_that_is_not_json_says_where(tmp_path, tiny_tokenizer, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))}: not valid JSON: {message}$"):
+        load([str(path)], tmp_path, tiny_tokenizer)
+
+
+def test_json_lines_with_a_bad_line_keep_the_rest_and_lines_of_no_records_are_refused(
+    tmp_path, tiny_tokenizer
+):
+    lines = tmp_path / "lines.json"  # JSON lines in a .json file, the first one broken
+    lines.write_text("{broken\n" + json.dumps(conversation(0)) + "\n")
+    summary = load([str(lines)], tmp_path, tiny_tokenizer).summary
+    assert (summary.records, summary.malformed, summary.kept) == (2, 1, 1)
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text("1\n2\n")
+    with pytest.raises(UserError, match=r"numbers\.jsonl: no records: expected JSON objects, one per line"):
+        load([str(numbers)], tmp_path, tiny_tokenizer)
+
+
 def test_malformed_records_in_parquet_shards_name_their_shard(tmp_path, tiny_tokenizer):
     records = [conversation(i) for i in range(5)]
     records[3] = {"messages": [{"role": "user", "content": ""}, ASSISTANT]}

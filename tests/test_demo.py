@@ -17,6 +17,9 @@ def test_the_demo_run_writes_status_and_plots(tiny_lm_dir, tmp_path: Path) -> No
         ],
         prompts=40, max_new_tokens=16, log=lines.append,
     )  # fmt: skip
+    # every regenerated answer is long enough to train on (2 x block size = 16 supervised tokens)
+    (data,) = [line for line in lines if line.startswith("data (")]
+    assert "40 records read, 0 malformed, 0 with < 16 supervised tokens, 40 kept" in data, data
     status = read_status(result.run_dir)
     assert status["state"] == "completed" and status["health"]["state"] == "healthy"
     assert {path.name for path in (result.run_dir / "plots").glob("*.png")} >= {"loss.png", "acc.png"}

@@ -10,7 +10,9 @@ from typer.testing import CliRunner
 from app.config import validate_config
 from app.data.synthetic import synthetic_row
 from app.errors import UserError
+from app.model.attention import dense_training_mask
 from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.flops import forward_flops, step_flops
 from tests.helpers import (
     REFERENCE_LAYER_WEIGHTS,
     SMALL_BLOCK,
@@ -249,6 +251,35 @@ def test_inference_path_matches_the_training_forward(sliding_setup):
             cache, int(row.input_ids[anchor]), int(row.position_ids[anchor]), embed_tokens, lm_head
         )
         assert draft.shape == (BLOCK - 1,) and torch.equal(draft, logits.argmax(-1))
+
+
+def test_the_flop_count_counts_what_the_mask_lets_through_and_the_loss_supervises(sliding_setup):
+    """The useful FLOPs behind `bench drafter` and the log line's MFU, against brute force on a row with
+    padding, dead anchor slots and a sliding-window layer: attention pairs are the dense training mask's
+    True entries, LM-head slots the supervised (anchor + k) positions, and a step 3x / 2x their sum."""
+    drafter, _, _, row, _ = sliding_setup
+    arch = drafter.arch
+    terms = forward_flops(arch, row)
+    masks = [dense_training_mask(row, arch.block_size, arch.layer_window(i)) for i in range(arch.num_layers)]
+    pairs = sum(int(mask.sum()) for mask in masks)
+    assert terms["attention (unmasked pairs)"] == 4 * arch.num_attention_heads * arch.head_dim * pairs
+    supervised = sum(
+        1
+        for anchor, valid in zip(row.anchor_positions.tolist(), row.anchor_valid.tolist(), strict=True)
+        for k in range(1, arch.block_size)
+        if valid
+        and anchor + k < row.input_ids.shape[0]
+        and row.document_ids[anchor + k] == row.document_ids[anchor]
+        and row.loss_mask[anchor + k]
+    )
+    assert supervised > 0 and terms["lm_head (supervised slots)"] == 2 * supervised * HIDDEN * VOCAB
+    queries = row.anchor_positions.shape[0] * arch.block_size
+    assert (
+        terms["q_proj (block)"]
+        == arch.num_layers * 2 * queries * HIDDEN * arch.num_attention_heads * arch.head_dim
+    )
+    trainable = sum(value for name, value in terms.items() if not name.startswith("lm_head"))
+    assert step_flops(terms) == 3 * trainable + 2 * terms["lm_head (supervised slots)"]
 
 
 def test_bench_drafter_runs_on_cpu_with_the_tiny_config():

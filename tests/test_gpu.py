@@ -21,14 +21,17 @@ from app.compile.library_jit import LibraryJitCounter
 from app.compile.warmup import synthetic_batches
 from app.config import validate_config
 from app.data.shapes import TargetShapes
+from app.data.synthetic import synthetic_row
 from app.errors import UserError
 from app.model.attention import UncompiledKernelOnCudaError
 from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.flops import forward_flops, step_flops
 from app.model.objective import chunked_lm_head_ce
 from app.model.target import load_target
+from app.telemetry.hardware import datasheet_peak
 from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import NonFiniteLoss, Trainer
-from tests.helpers import random_target_config, run_dflash, small_drafter_raw_config
+from tests.helpers import SMALL_VOCAB, random_target_config, run_dflash, small_drafter_raw_config
 
 pytestmark = pytest.mark.gpu
 # The tier tests kernels, not the environment (the guard has its own tests): a GPU machine's torch
@@ -86,6 +89,10 @@ def test_training_compiles_once_then_a_new_shape_is_refused(
 
     result = trainer.run()
     assert result.steps == 6 and all(torch.isfinite(torch.tensor(result.losses)))
+    # a colocated GPU run: its memory, and its mfu against this GPU's datasheet peak when one is known
+    last = [line for line in lines if line.startswith("[")][-1]
+    assert " step=6/6 " in last and " mem=" in last and "q_pre" not in last
+    assert (" mfu=" in last) == (datasheet_peak(torch.cuda.get_device_name()) is not None), last
 
     other = config.model_copy(deep=True)
     other.data.token_budget = config.data.token_budget // 2
@@ -143,6 +150,19 @@ def test_build_cache_then_a_fresh_process_starts_warm(
     hits = re.search(r"inductor hit/miss/bypass (\d+)/0/0, autograd hit/miss/bypass (\d+)/0/0", warm_up)
     assert hits and int(hits.group(1)) > 0 and int(hits.group(2)) > 0, warm_up
     assert f"compile cache: loaded {result.entry.key}" in done.stdout
+
+
+def test_counting_a_step_s_flops_does_not_synchronise_with_the_host() -> None:
+    """The trainer counts every micro-batch's FLOPs for the log line's mfu: on the device, no host sync."""
+    arch = DrafterArch.from_config(validate_config(small_drafter_raw_config()))
+    row = synthetic_row(128, 16, SMALL_VOCAB, num_documents=3, padding=9, valid_anchors=13)
+    on_device = row.to("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        flops = step_flops(forward_flops(arch, on_device))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert flops.device.type == "cuda" and int(flops) == int(step_flops(forward_flops(arch, row)))
 
 
 def test_a_non_finite_step_is_skipped_on_the_device(

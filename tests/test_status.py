@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 import threading
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,6 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from app.cli import main
 from app.compile.guard import throughput_watch
 from app.config import load_config
 from app.errors import UserError
@@ -25,29 +22,9 @@ from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
 from app.train.trainer import NonFiniteLoss, Trainer
-from tests.helpers import small_config
+from tests.helpers import dflash, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def dflash(capsys, monkeypatch, *args: str) -> Done:
-    """The `dflash` console script's entry point, in this process (the CLI code path without a new interpreter)."""
-    monkeypatch.setattr(sys, "argv", ["dflash", *args])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as done:
-        code = done.code or 0
-    out, err = capsys.readouterr()
-    return Done(code, out, err)
 
 
 def quiet(line: str) -> None:
@@ -105,6 +82,7 @@ def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) 
     assert f"run healthy ({healthy_run})" in text
     assert "goal: train a 1-layer DFlash drafter (block 4, 16 anchors) for builtin tiny-lm" in text
     assert "state: completed at step 4" in text and "health: HEALTHY (0 events)" in text
+    assert "progress: step 4 of 4, epoch " in text  # the log records carry the run's total
     assert re.search(r"eval tau \d\.\d{3}, tree tau \d\.\d{3} at budget 64 \(step 4\)", text)
     assert "Ktok/s" in text
     assert "compile: eager on cpu (no compiled kernels on this device)" in text
@@ -168,7 +146,7 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
         reserved = 70.0 if step < 150 else 78.0
         log_like_the_trainer(reporters, watches, record(
             step, drafter_batches_per_s=0.9 if slow else 4.0, tokens_per_s=4600.0 if slow else 21_500.0,
-            memory_gb=(60.0, reserved),
+            memory_gb=(60.0, reserved), mfu=0.125 if slow else 0.6,
         ))  # fmt: skip
     status = read_status(run_dir)
     assert status["state"] == "running" and status["health"]["state"] == "degraded"
@@ -183,6 +161,7 @@ def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Pat
         "(compile cache /cache/3f9c0d1e)" in text
     )
     assert "22% of the baseline (compile cache /cache/3f9c0d1e)" in text
+    assert "4.6Ktok/s, 1.11 s/step, mfu 12.5% (mean of the last 5 log lines)" in text
     assert "compile: cache 3f9c0d1e loaded from /cache/3f9c0d1e; warm-up 8.9s with 0 cache misses" in text
     assert "step 150: memory: reserved GPU memory grew 11%" in text
     assert f"what changed since the last good run {healthy_run} (newest completed healthy sibling):" in text

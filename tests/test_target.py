@@ -156,8 +156,11 @@ def test_loads_a_multimodal_qwen3_5_checkpoint_as_a_causal_lm(tmp_path):
 
 
 def test_bad_target_paths_are_one_line_user_errors(tmp_path):
-    with pytest.raises(UserError, match="is not a directory"):
+    with pytest.raises(UserError, match=r"^target\.path: .*missing does not exist \(expected a local"):
         load_target(config_for({"path": str(tmp_path / "missing")}, [0]), "cpu")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"^target\.path: .*file is not a directory"):
+        load_target(config_for({"path": str(tmp_path / "file")}, [0]), "cpu")
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"has no config\.json"):
         load_target(config_for({"path": str(tmp_path / "empty")}, [0]), "cpu")

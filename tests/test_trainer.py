@@ -17,6 +17,7 @@ from app.checkpoint.store import checkpoint_root, complete_checkpoints, verify_c
 from app.checkpoint.writer import CheckpointWriteError
 from app.config import load_config
 from app.errors import UserError
+from app.model.flops import forward_flops, step_flops
 from app.model.objective import drafter_loss
 from app.train.schedule import learning_rate
 from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
@@ -109,34 +110,60 @@ def test_run_directory_contents(tiny_lm_dir, tiny_conversations, tmp_path: Path)
     assert [m["step"] for m in metrics] == [2, 4]
     log_lines = [line for line in lines if line.startswith("[")]
     assert len(log_lines) == 2
+    # one CPU process: progress of the run's steps, one batch rate, and none of the fields that mean
+    # nothing here (queues, separate target/drafter rates, GPU memory, mfu, noise that is off)
+    assert re.match(
+        r"\[\d+s\] step=4/4 loss=\S+ acc=\S+ streak=\S+ lr=\S+ \| \S+b/s \(\S+Ktok/s\) \| epoch~\S+ ETA=\S+$",
+        log_lines[-1],
+    )
     assert all(
-        key in log_lines[-1]
-        for key in (
-            "step=4",
-            "loss=",
-            "acc=",
-            "streak=",
-            "lr=",
-            "noise=",
-            "tgt=",
-            "dft=",
-            "Ktok/s",
-            "q_pre=",
-            "q_hs=",
-            "epoch~",
-            "ETA=",
-        )
+        field not in log_lines[-1] for field in ("tgt=", "dft=", "q_pre", "q_hs", "mem=", "mfu", "noise")
+    )
+    (legend,) = [line for line in lines if line.startswith("log line: ")]
+    assert legend.endswith(
+        "mfu not shown: a CPU has no reference peak (set telemetry.peak_tflops to compare with one)"
+    )
+    assert metrics[-1]["total_steps"] == 4 and metrics[-1]["mfu"] is None and metrics[-1]["tflops_per_s"] > 0
+
+
+def test_the_log_line_mfu_is_the_useful_flops_of_the_batches_trained(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """A window's mfu: the FLOPs `app.model.flops` counts on every row this rank trained in it (two
+    micro-batches a step here), over the window's seconds, over the configured peak."""
+    lines: list[str] = []
+    config = small_config(
+        tiny_conversations, tmp_path, "train.max_steps=4", "telemetry.log_every=2", "train.grad_accum=2",
+        "telemetry.peak_tflops=0.5",
+    )  # fmt: skip
+    trainer = Trainer(config, log=lines.append)
+    trained: list = []
+    train_step = trainer.train_step
+    trainer.train_step = lambda batches: (trained.append(batches), train_step(batches))[1]
+    trainer.run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for record, window in zip(records, (trained[:2], trained[2:]), strict=True):
+        rows = [item.features.row for batches in window for item in batches.micro if item.planned is not None]
+        assert len(rows) == 4
+        flops = sum(float(step_flops(forward_flops(trainer.drafter.arch, row))) for row in rows)
+        assert record["tflops_per_s"] * record["window_s"] * 1e12 == pytest.approx(flops, rel=1e-9)
+        assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.5, rel=1e-9)
+    log_lines = [line for line in lines if line.startswith("[")]
+    assert f"mfu={100 * records[-1]['mfu']:.1f}%" in log_lines[-1] and " step=4/4 " in log_lines[-1]
+    assert any(
+        line.endswith("mfu = drafter FLOP/s over 0.5 TFLOP/s (telemetry.peak_tflops)") for line in lines
     )
 
 
 def test_empty_dataset_is_refused_before_any_model_loads(tiny_tokenizer_dir, tmp_path: Path) -> None:
-    """All records too short: a one-line error naming the file, raised while the target path does not even exist."""
+    """All records too short: a one-line error naming the file, raised while the target path holds no model."""
+    (tmp_path / "no-model").mkdir()
     data = tmp_path / "short.jsonl"
     record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
     data.write_text(json.dumps(record) + "\n")
     config_file = tmp_path / "run.toml"
     config_file.write_text(
-        f'[target]\npath = "{tmp_path / "no-such-model"}"\ntokenizer = "{tiny_tokenizer_dir}"\n'
+        f'[target]\npath = "{tmp_path / "no-model"}"\ntokenizer = "{tiny_tokenizer_dir}"\n'
         f"[drafter]\nmask_token_id = 3\nblock_size = 4\n"
         f'[data]\ntrain_files = ["{data}"]\ntoken_budget = 256\nmax_length = 256\n'
         f'[train]\nanchors = 16\noutput_dir = "{tmp_path / "run"}"\ndevice = "cpu"\n'

@@ -23,9 +23,9 @@ from torch import nn
 from app.compile.apply import compile_drafter
 from app.compile.warmup import synchronize, synthetic_batches
 from app.config import RunConfig
-from app.data.batch import DrafterRow, FeatureBatch
+from app.data.batch import FeatureBatch
 from app.model.drafter import DFlashDrafter, DrafterArch
-from app.model.objective import block_labels
+from app.model.flops import forward_flops, multiplier, step_flops
 from app.model.target import target_dtype
 from app.train.step import BorrowedHeads, DrafterStep
 
@@ -42,7 +42,7 @@ class DrafterBenchResult:
     step_ms: list[float]
     first_call_s: float
     forward_flops: dict[str, float]
-    """Useful forward FLOPs per term (see `step_flops`)."""
+    """Useful forward FLOPs per term (`app.model.flops`)."""
     step_flops: float
     peak_tflops: float
     peak_memory_bytes: int
@@ -58,58 +58,6 @@ class DrafterBenchResult:
     @property
     def achieved_tflops(self) -> float:
         return self.step_flops / (self.median_ms / 1e3) / 1e12
-
-
-TRAINABLE_MULTIPLIER = 3
-"""forward + backward (input and weight gradients) of trainable parts."""
-FROZEN_HEAD_MULTIPLIER = 2
-"""the frozen LM head: forward + gradient w.r.t. its input only."""
-
-
-def forward_flops(arch: DrafterArch, row: DrafterRow) -> dict[str, float]:
-    """Useful forward FLOPs of one drafter step, term by term (a matmul of m x k by k x n is 2mkn).
-
-    Attention counts only unmasked (query, key) pairs, 4 * heads * head_dim each (scores + weighted
-    values); the LM head counts only supervised block slots. Everything else runs on all `T` context
-    tokens and all `A x B` block tokens, as the kernels do.
-    """
-    context = row.input_ids.shape[0]
-    queries = row.anchor_positions.shape[0] * arch.block_size
-    hidden, layers = arch.hidden_size, arch.num_layers
-    q_width = arch.num_attention_heads * arch.head_dim
-    kv_width = arch.num_key_value_heads * arch.head_dim
-    pairs = sum(_visible_pairs(row, arch.block_size, arch.layer_window(i)) for i in range(layers))
-    _, supervised = block_labels(row, arch.block_size)
-    return {
-        "fc (context features -> hidden)": 2 * context * arch.feature_size * hidden,
-        "q_proj (block)": layers * 2 * queries * hidden * q_width,
-        "k_proj + v_proj (block)": layers * 2 * 2 * queries * hidden * kv_width,
-        "k_proj + v_proj (context)": layers * 2 * 2 * context * hidden * kv_width,
-        "o_proj": layers * 2 * queries * q_width * hidden,
-        "mlp (gate, up, down)": layers * 3 * 2 * queries * hidden * arch.intermediate_size,
-        "attention (unmasked pairs)": 4 * arch.num_attention_heads * arch.head_dim * pairs,
-        "lm_head (supervised slots)": 2 * int(supervised.sum()) * hidden * arch.vocab_size,
-    }
-
-
-def step_flops(terms: dict[str, float]) -> float:
-    """FLOPs of forward + backward: 3x the trainable terms, 2x the frozen LM head."""
-    return sum(
-        value * (FROZEN_HEAD_MULTIPLIER if name.startswith("lm_head") else TRAINABLE_MULTIPLIER)
-        for name, value in terms.items()
-    )
-
-
-def _visible_pairs(row: DrafterRow, block_size: int, window: int | None) -> int:
-    """(query, key) pairs the training mask lets through for one layer."""
-    valid = row.anchor_positions[row.anchor_valid]
-    context = row.position_ids[valid]  # an anchor at position p sees the p earlier tokens of its document
-    if window is not None:
-        context = context.clamp(max=window)
-        in_block = block_size * (block_size + 1) // 2
-    else:
-        in_block = block_size * block_size
-    return int(context.sum()) * block_size + valid.numel() * in_block
 
 
 def run_drafter_bench(
@@ -143,7 +91,7 @@ def run_drafter_bench(
     first_call_s, step_ms, host_syncs = _time_steps(step, batches, warmup, steps, device)
     peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     row = batches[0].row.to("cpu")
-    terms = forward_flops(arch, row)
+    terms = {name: float(value) for name, value in forward_flops(arch, row).items()}
     return DrafterBenchResult(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
         shapes={
@@ -182,8 +130,7 @@ def format_report(result: DrafterBenchResult) -> str:
         "useful FLOPs per step (forward GFLOP x multiplier):",
     ]
     for name, value in result.forward_flops.items():
-        multiplier = FROZEN_HEAD_MULTIPLIER if name.startswith("lm_head") else TRAINABLE_MULTIPLIER
-        lines.append(f"  {name:<32} {value / 1e9:>12,.1f} x{multiplier}")
+        lines.append(f"  {name:<32} {value / 1e9:>12,.1f} x{multiplier(name)}")
     lines += [
         f"  {'total (fwd + bwd)':<32} {result.step_flops / 1e9:>12,.1f}",
         f"achieved TFLOP/s: {result.achieved_tflops:.1f} "

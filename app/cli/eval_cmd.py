@@ -52,38 +52,18 @@ def evaluate(
     ] = False,
 ) -> None:
     """Speculative-decode held-out prompts with the target and the drafter; print tau and the histogram."""
-    from app.data.dataset import load_tokenized, load_training_data  # heavy imports only for this command
-    from app.evaluate import prompts_from_dataset, prompts_from_file
-    from app.evaluate.evaluator import Evaluator
-    from app.export import load_trained_drafter
-    from app.model.target import load_target
-    from app.train.setup import load_tokenizer, pick_device
+    from app.evaluate.trained import evaluate_trained  # heavy imports only for this command
 
     budgets = _budgets(tree_budget)
-    trained = load_trained_drafter(source)
-    config = trained.config
-    count = prompts or config.train.eval_prompts
-    tokenizer = load_tokenizer(config)
-    if data is not None:
-        prompt_ids = prompts_from_file(data, tokenizer, count, config.data.chat_template_kwargs)
-    elif config.data.eval_files:
-        held_out = load_tokenized(config.data.eval_files, config.data, tokenizer, min_supervised_tokens=1)
-        prompt_ids = prompts_from_dataset(held_out, count)
-    elif config.data.train_files:
-        prompt_ids = prompts_from_dataset(load_training_data(config, tokenizer)[1], count)
-    else:
-        raise UserError(
-            "eval: no prompts: pass --data FILE or set data.eval_files / data.train_files in the run config"
-        )
-
-    device = pick_device(config.train.device)
-    target = load_target(config, device)
-    evaluator = Evaluator(config, target, tokenizer, prompt_ids, max_new_tokens, budgets, tree_top_k)
-    result = evaluator(trained.build(target, device))
-    print(
-        f"eval: step {trained.step} ({trained.checkpoint}) on {device}, {len(prompt_ids)} prompts", flush=True
+    evaluation = evaluate_trained(
+        source,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        data=data,
+        tree_budgets=budgets,
+        tree_top_k=tree_top_k,
     )
-    for line in result.describe() + (result.describe_prompts() if per_prompt else []):
+    for line in evaluation.describe() + (evaluation.result.describe_prompts() if per_prompt else []):
         print(line, flush=True)
 
 

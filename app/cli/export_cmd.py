@@ -25,23 +25,7 @@ def export(
     ] = ExportDtype.bf16,
 ) -> None:
     """Write config.json + model.safetensors that SGLang (DFLASH) and vLLM (dflash) load as the draft model."""
-    from app.export import export_drafter, load_trained_drafter  # torch loads only for this command
-    from app.export.hf_dflash import serving_commands
-    from app.model.target import target_text_config
+    from app.export.trained import export_trained  # torch loads only for this command
 
-    trained = load_trained_drafter(source)
-    target = target_text_config(trained.config.target)
-    drafter = trained.build(target)
-    directory = export_drafter(drafter, out, target, dtype.value)
-    arch = drafter.arch
-    print(
-        f"exported step {trained.step} ({trained.checkpoint}) to {directory} as {dtype.value}: "
-        f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M parameters, block_size {arch.block_size}, "
-        f"mask_token_id {arch.mask_token_id}, target_layer_ids {list(arch.target_layer_ids)}"
-    )
-    served = (
-        trained.config.target.path or "TARGET_MODEL_DIR"
-    )  # a random-weight or built-in target has no path
-    print("serve the target with this drafter:")
-    for line in serving_commands(served, directory.resolve(), arch.block_size):
-        print(f"  {line}")
+    for line in export_trained(source, out, dtype.value).describe():
+        print(line)

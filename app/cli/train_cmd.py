@@ -37,20 +37,16 @@ def train(
     """
     from app.config import load_config
     from app.pipeline.distributed import wants_distributed
-    from app.pipeline.roles import layout_from_environment
 
     run_config = load_config(config, overrides or [])
     if wants_distributed(run_config):
         _train_rank(run_config, resume)
         return
-    # One process configured: under a torchrun of several, every rank would train alone into one run dir.
-    layout_from_environment(run_config.topology)
-    from app.train.ranks import run_drafter_rank
-    from app.train.trainer import TrainingStopped
+    from app import api
 
     try:
-        run_drafter_rank(run_config, None, resume, _print)
-    except TrainingStopped as stopped:
+        api.train(run_config, resume=resume, log=_print)
+    except api.TrainingStopped as stopped:
         print(f"dflash: {stopped}", file=sys.stderr)
         raise typer.Exit(STOPPED_EXIT_CODE) from None
 

@@ -8,18 +8,20 @@ Errors name the file (or the override that set the value), the dotted key and wh
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from app.config.schema import BUILTIN_TARGETS, RunConfig, TargetConfig
+from app.config.schema import BUILTIN_TARGETS, TARGET_SOURCES, RunConfig, TargetConfig
 from app.errors import UserError
 
 
@@ -31,15 +33,24 @@ RUN_CONFIG_FILE = "config.json"
 """What a run directory holds as its resolved config."""
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read `path` (a config file, or a run directory's config.json), apply `overrides` in order,
-    validate everything, resolve derived defaults."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / RUN_CONFIG_FILE
-    raw = _read_file(path)
+MAPPING_SOURCE = "<config mapping>"
+"""How errors name a config given as a mapping (the Python API) rather than a file."""
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any], overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
+    """Read `source` (a config file, a run directory's config.json, or a mapping of sections as a file
+    holds them, which is left unchanged), apply `overrides` in order, validate everything."""
+    if isinstance(source, Mapping):
+        raw, name = copy.deepcopy(dict(source)), MAPPING_SOURCE
+    else:
+        path = Path(source)
+        if path.is_dir():
+            path = path / RUN_CONFIG_FILE
+        raw, name = _read_file(path), str(path)
     set_by = {_apply_override(raw, override): override for override in overrides}
-    return validate_config(raw, source=str(path), set_by=set_by)
+    return validate_config(raw, source=name, set_by=set_by)
 
 
 def validate_config(
@@ -249,5 +260,16 @@ def _describe(error: ValidationError) -> str:
         template.format(**first.get("ctx", {})) if template else first["msg"][0].lower() + first["msg"][1:]
     )
     if first["type"] == "missing":
-        return f"{key}: {expectation}"
+        return f"{key}: {expectation}{_what_is_required(key)}"
     return f"{key}: {expectation}, got {first['input']!r}"
+
+
+def _what_is_required(key: str) -> str:
+    """What a missing section needs: the target one of its sources, any other its required fields."""
+    if key == "target":
+        choices = [f"target.{name} ({takes})" for name, takes in TARGET_SOURCES.items()]
+        return f": set {', '.join(choices[:-1])} or {choices[-1]}"
+    section = _section_model(RunConfig, key) if key in RunConfig.model_fields else None
+    fields = section.model_fields if section is not None else {}
+    required = [f"{key}.{name}" for name, field in fields.items() if field.is_required()]
+    return f" (with {', '.join(required)})" if required else ""

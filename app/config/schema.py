@@ -35,6 +35,14 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
+TARGET_SOURCES: dict[str, str] = {
+    "path": "a local Hugging Face model directory",
+    "builtin": '"tiny-lm", the CPU demo\'s',
+    "architecture": "a Hugging Face config, for a random-weight target",
+}
+"""The ways to name the target, of which a config sets exactly one, and what each one takes."""
+
+
 class TargetConfig(Section):
     """The frozen target LLM whose hidden states feed the drafter."""
 
@@ -66,10 +74,11 @@ class TargetConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> TargetConfig:
-        given = [name for name in ("path", "architecture", "builtin") if getattr(self, name) is not None]
+        given = [f"target.{name}" for name in TARGET_SOURCES if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
-                f"exactly one of target.path, target.architecture, target.builtin must be set, got {given or 'none'}"
+                f"exactly one of {', '.join(f'target.{name}' for name in TARGET_SOURCES)} must be set, "
+                f"got {given or 'none'}"
             )
         if self.architecture is not None and "model_type" not in self.architecture:
             raise ValueError('target.architecture: must contain `model_type` (e.g. "qwen3")')
@@ -368,6 +377,11 @@ class TelemetryConfig(Section):
 
     log_every: int = Field(10, ge=1)
     """Optimizer steps between log lines."""
+
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak TFLOP/s of one device that the log line's `mfu` divides the drafter's useful FLOP/s by.
+    None: the datasheet dense bf16 peak of a known GPU (H100, H200, B200, A100, L40S, ...) when the run
+    trains in bf16; on a CPU, an unknown GPU or in fp32, mfu is not shown."""
 
     status_every: int = Field(10, ge=1)
     """Optimizer steps between atomic status.json updates."""

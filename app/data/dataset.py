@@ -200,17 +200,22 @@ def load_tokenized(
     return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
 
 
+def min_supervised_tokens(config: RunConfig) -> int:
+    """Supervised tokens a training sample needs: 2 x block_size (fewer cannot fill a block)."""
+    return 2 * config.drafter.block_size
+
+
 def load_training_data(
     config: RunConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[TokenizedDataset, TokenizedDataset]:
     """(train, eval) datasets of a run: eval from `data.eval_files`, else held out of the training files.
 
-    Training samples need 2 x block_size supervised tokens (fewer cannot fill a block); eval
-    samples only need their prompt and one assistant turn.
+    Training samples need `min_supervised_tokens`; eval samples only need their prompt and one
+    assistant turn.
     """
     data = config.data
     train = load_tokenized(
-        data.train_files, data, tokenizer, min_supervised_tokens=2 * config.drafter.block_size
+        data.train_files, data, tokenizer, min_supervised_tokens=min_supervised_tokens(config)
     )
     if data.eval_files:
         return train, load_tokenized(data.eval_files, data, tokenizer, min_supervised_tokens=1)
@@ -365,11 +370,19 @@ def _read_source(
             raw = _single_split(datasets.load_from_disk(str(source.files[0])), source.label)
         elif source.kind == "json":
             _require_utf8(source.files[0])
+            # the json reader logs its parse error, which the fallback handles: its line would mislead
+            reader_log = logging.getLogger("datasets.packaged_modules.json.json")
+            level = reader_log.level
+            reader_log.setLevel(logging.CRITICAL)
             try:
                 raw = _load(source, raw_cache)
             # some lines are not JSON (keep the rest, count those), or the file is empty
             except (DatasetGenerationError, StopIteration):
                 raw = _json_lines(source.files[0])
+                if len(raw) and (error := _unreadable_json(source.files[0], raw)) is not None:
+                    raise error from None
+            finally:
+                reader_log.setLevel(level)
         else:
             raw = _load(source, raw_cache)
             if source.kind == "parquet":
@@ -449,6 +462,28 @@ def _json_lines(path: Path) -> datasets.Dataset:
     with opener(path, "rt", encoding="utf-8") as handle:  # `_require_utf8` has checked it
         lines = [line for line in handle if line.strip()]
     return datasets.Dataset.from_dict({JSON_LINE_COLUMN: lines})
+
+
+def _unreadable_json(path: Path, lines: datasets.Dataset) -> UserError | None:
+    """Why a json file the reader refused is not JSON lines to read one by one either, if it is not:
+    a JSON array (its lines are no records), or a file with no line holding a JSON object, whose text
+    stops being JSON at a line and column; or JSON values that are no objects."""
+    with _open_binary(path) as handle:
+        text = handle.read().decode("utf-8")  # `_require_utf8` has checked it
+    try:
+        json.loads(text)
+        broken = None
+    except json.JSONDecodeError as error:
+        broken = error
+    records = bool(_record_columns(lines))
+    several_values = broken is not None and broken.msg == "Extra data"  # JSON lines, not one document
+    if broken is not None and (text.lstrip().startswith("[") or not (records or several_values)):
+        return UserError(
+            f"{path}: not valid JSON: {broken.msg} (line {broken.lineno}, column {broken.colno})"
+        )
+    if not records:
+        return UserError(f"{path}: no records: expected JSON objects, one per line or in a top-level array")
+    return None
 
 
 def _record_columns(raw: datasets.Dataset) -> list[str]:

@@ -26,10 +26,14 @@ def regenerate(
     out_dir: Path,
     *,
     max_new_tokens: int,
+    min_new_tokens: int = 0,
     batch_size: int = 32,
     progress: Callable[[str], None] = print,
 ) -> Path:
-    """Greedy responses to `prompts` written as one parquet shard of `messages` records in `out_dir`."""
+    """Greedy responses to `prompts` written as one parquet shard of `messages` records in `out_dir`.
+
+    `min_new_tokens`: the end of the turn is held off until then, so that every answer is long enough to
+    train on (a tiny target stops as early as the short paragraphs it learned from)."""
     tokenizer.padding_side = "left"  # generation continues from the right edge of every row
     records = []
     for start in range(0, len(prompts), batch_size):
@@ -41,6 +45,7 @@ def regenerate(
         output = model.generate(
             **encoded,
             max_new_tokens=max_new_tokens,
+            min_new_tokens=min_new_tokens,
             do_sample=False,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,

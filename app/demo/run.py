@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from app.config import load_config
+from app.data.dataset import min_supervised_tokens
 from app.demo.regenerate import regenerate
+from app.errors import UserError
 from app.evaluate.speculative import EvalResult
 from app.model.tiny_lm import PROMPT_WORDS, ensure_tiny_lm
 from app.model.tiny_tokenizer import corpus_paragraphs
@@ -55,12 +57,21 @@ def run_demo(
 
     started = time.monotonic()
     config = load_config(config_path, list(overrides))
+    # every answer long enough to train on: the tiny target alone stops after a few words on 2 in 5 prompts
+    min_new_tokens = min_supervised_tokens(config)
+    if max_new_tokens < min_new_tokens:
+        raise UserError(
+            f"demo: max_new_tokens = {max_new_tokens} is below the {min_new_tokens} supervised tokens a "
+            "training sample needs (2 x drafter.block_size)"
+        )
     log("[1/5] tiny target: building or loading the built-in tiny-lm (first run: a few minutes)")
     target_dir = ensure_tiny_lm(progress=log)
 
     data_dir = Path(config.data.train_files[0])
     log(f"[2/5] regenerating {prompts} conversations with the target into {data_dir}")
-    _regenerate(target_dir, data_dir, prompts, max_new_tokens, log)
+    _regenerate(
+        target_dir, data_dir, prompts, log, min_new_tokens=min_new_tokens, max_new_tokens=max_new_tokens
+    )
 
     log("[3/5] tau of an untrained drafter (greedy speculative decoding on held-out prompts)")
     shutil.rmtree(config.train.output_dir, ignore_errors=True)  # the demo always trains from scratch
@@ -97,7 +108,13 @@ def _taus(result: EvalResult) -> str:
 
 
 def _regenerate(
-    target_dir: Path, data_dir: Path, prompts: int, max_new_tokens: int, log: Callable[[str], None]
+    target_dir: Path,
+    data_dir: Path,
+    prompts: int,
+    log: Callable[[str], None],
+    *,
+    min_new_tokens: int,
+    max_new_tokens: int,
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -109,4 +126,12 @@ def _regenerate(
         for paragraph in corpus_paragraphs()
         if len(paragraph.split()) > PROMPT_WORDS
     ]
-    regenerate(model, tokenizer, openings[:prompts], data_dir, max_new_tokens=max_new_tokens, progress=log)
+    regenerate(
+        model,
+        tokenizer,
+        openings[:prompts],
+        data_dir,
+        min_new_tokens=min_new_tokens,
+        max_new_tokens=max_new_tokens,
+        progress=log,
+    )

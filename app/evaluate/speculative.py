@@ -119,6 +119,17 @@ class EvalResult:
             ]
         return lines
 
+    def summary(self) -> dict[str, float | int]:
+        """What periodic eval records (metrics.jsonl, status.json, wandb): chain tau, the first tree
+        budget's tau, rounds and tokens."""
+        tree = {"tree_tau": self.trees[0].tau, "tree_budget": self.trees[0].budget} if self.trees else {}
+        return {"tau": self.tau, **tree, "rounds": self.rounds, "generated_tokens": self.generated_tokens}
+
+    def summary_line(self) -> str:
+        """`tau=2.310 (tree tau=2.874 at budget 64) over 40 rounds of 8 prompts`."""
+        tree = f" (tree tau={self.trees[0].tau:.3f} at budget {self.trees[0].budget})" if self.trees else ""
+        return f"tau={self.tau:.3f}{tree} over {self.rounds} rounds of {len(self.per_prompt)} prompts"
+
     def describe_prompts(self) -> list[str]:
         """One line per prompt: its chain tau and each tree budget's."""
         lines = []

@@ -174,9 +174,19 @@ class _DeepestLayerReached(Exception):
     """Raised by the deepest tapped layer's hook: nothing above it is needed for features."""
 
 
-def _checked_model_dir(path: Path, need_weights: bool) -> Path:
+def local_directory(path: str | Path, key: str, expected: str) -> Path:
+    """The directory the config's `key` names, which must exist here: nothing is downloaded, so a path
+    that is not there is a one-line error naming the key, not a hub repo-id error from a loader."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{key}: {path} does not exist (expected {expected})")
     if not path.is_dir():
-        raise UserError(f"target.path: {path} is not a directory (expected a Hugging Face model directory)")
+        raise UserError(f"{key}: {path} is not a directory (expected {expected})")
+    return path
+
+
+def _checked_model_dir(path: Path, need_weights: bool) -> Path:
+    local_directory(path, "target.path", "a local Hugging Face model directory")
     if not (path / "config.json").is_file():
         raise UserError(f"target.path: {path} has no config.json (expected a Hugging Face model directory)")
     if need_weights and not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):

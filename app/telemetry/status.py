@@ -181,8 +181,10 @@ class StatusFile:
     def _throughput(self) -> dict[str, Any]:
         tokens = [r["tokens_per_s"] for r in self.recent if r.get("tokens_per_s") is not None]
         rates = [r["drafter_batches_per_s"] for r in self.recent if r.get("drafter_batches_per_s")]
+        mfu = [r["mfu"] for r in self.recent if r.get("mfu") is not None]
         throughput: dict[str, Any] = {
             "tokens_per_s": sum(tokens) / len(tokens) if tokens else None,
+            "mfu": sum(mfu) / len(mfu) if mfu else None,
             "step_time_s": len(rates) / sum(rates) if rates else None,
             "log_lines": len(self.recent),
             "baseline": self.baseline.to_dict() if self.baseline else None,

@@ -180,6 +180,8 @@ def _throughput_line(status: dict[str, Any], comparison: Comparison | None) -> s
     line = f"{throughput['tokens_per_s'] / 1000:.1f}Ktok/s"
     if throughput.get("step_time_s"):
         line += f", {throughput['step_time_s']:.3g} s/step"
+    if throughput.get("mfu") is not None:
+        line += f", mfu {throughput['mfu']:.1%}"
     line += f" (mean of the last {throughput.get('log_lines', '?')} log lines)"
     baseline = throughput.get("baseline")
     if baseline and throughput.get("vs_baseline") is not None:

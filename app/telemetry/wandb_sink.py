@@ -26,7 +26,7 @@ RUN_ID_FILE = "wandb_id"
 QUEUE_LIMIT = 10_000
 """Records waiting for wandb; beyond this (wandb stuck for hours) records are dropped, with one warning."""
 TRAIN_KEYS = ("loss", "acc", "streak", "lr", "noise", "grad_norm", "tokens_per_s", "target_batches_per_s",
-              "drafter_batches_per_s", "epoch_progress", "eta_s")  # fmt: skip
+              "drafter_batches_per_s", "mfu", "tflops_per_s", "epoch_progress", "eta_s")  # fmt: skip
 EVENTS_IN_SUMMARY = 50
 
 

@@ -32,10 +32,15 @@ def pick_device(choice: str) -> torch.device:
 
 
 def tokenizer_dir(config: RunConfig) -> Path:
-    """The target tokenizer's directory: `target.tokenizer`, else the target's own."""
+    """The target tokenizer's directory: `target.tokenizer`, else the target's own. A `target.path` that
+    is not here is refused first, also beside a `target.tokenizer`: before any data is tokenized."""
+    from app.model.target import local_directory
+
     target = config.target
+    if target.path is not None:
+        local_directory(target.path, "target.path", "a local Hugging Face model directory")
     if target.tokenizer is not None:
-        return Path(target.tokenizer)
+        return local_directory(target.tokenizer, "target.tokenizer", "a local tokenizer directory")
     if target.path is not None:
         return Path(target.path)
     if target.builtin is not None:

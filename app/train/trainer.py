@@ -41,6 +41,7 @@ from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
+from app.model.flops import forward_flops, step_flops
 from app.model.objective import feature_noise_std
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import Round, RoundPlanner
@@ -52,7 +53,8 @@ from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_gr
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
-from app.telemetry.logline import LogLine
+from app.telemetry.hardware import device_memory_gb, reference_peak, utilization
+from app.telemetry.logline import LogLine, legend
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
 from app.telemetry.session import Telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
@@ -95,6 +97,8 @@ class StepOutput:
     noise: float
     grad_norm: torch.Tensor
     round: Round
+    flops: torch.Tensor
+    """Useful FLOPs of this rank's real micro-batches (`app.model.flops`), on the device."""
 
 
 @dataclass
@@ -190,6 +194,7 @@ class Trainer:
             if resumed:
                 broadcast_optimizer_state(self.optimizer, runtime)
         self.stop_request = StopRequest(self._note)
+        self.peak = reference_peak(config.telemetry.peak_tflops, self.device, config.train.precision)
         self._paused_s = 0.0
 
     def _target_side(self, split: bool) -> tuple[TargetModel | None, BorrowedHeads, DrafterArch, list[int]]:
@@ -219,6 +224,7 @@ class Trainer:
         distributed = step.model is not self.drafter
         micro = batches.micro
         sums = torch.zeros(4, device=self.device)
+        flops = torch.zeros((), dtype=torch.int64, device=self.device)
         for number, item in enumerate(micro):
             if item.planned is None and not distributed:
                 continue
@@ -236,9 +242,10 @@ class Trainer:
                 sums += torch.stack(
                     [out.loss.detach().float(), out.acc.float(), out.streak.float(), sums.new_ones(())]
                 )
+                flops += step_flops(forward_flops(self.drafter.arch, item.features.row))
         grad_norm = step.apply(learning_rate(self.step, self.total_steps, train), loss=sums[0])
         self.step += 1
-        return StepOutput(sums, float(noise_std), grad_norm.detach(), batches.round)
+        return StepOutput(sums, float(noise_std), grad_norm.detach(), batches.round, flops)
 
     @property
     def _drafter_index(self) -> int:
@@ -267,6 +274,7 @@ class Trainer:
             f"{self._where()}: {self.total_steps} steps ({epochs}), "
             + (f"resuming at step {self.step}" if self.resumed else "from step 0")
         )
+        self._note(legend(config, self.device, self.peak, colocated=self.target is not None))
         if train.eval_every and self.target is None:
             self._note(
                 "periodic eval (train.eval_every) needs the target on the drafter rank: skipped in a split "
@@ -373,14 +381,16 @@ class Trainer:
             return losses, following
         seconds = max(now - window.started, 1e-9)
         steps = self.step - window.step
+        flops = float(torch.stack([out.flops for out in pending]).sum())
         line = LogLine(
             elapsed_s=now - started,
             step=self.step,
+            total_steps=self.total_steps,
             loss=sum(losses) / len(losses),
             acc=gathered.mean("acc"),
             streak=gathered.mean("streak"),
             lr=self.optimizer.param_groups[0]["lr"],
-            noise=pending[-1].noise,
+            noise=pending[-1].noise if self.config.train.feature_noise_std > 0 else None,
             target_batches_per_s=(following.target_batches - window.target_batches) / seconds,
             drafter_batches_per_s=(following.drafter_batches - window.drafter_batches) / seconds,
             tokens_per_s=(following.real_tokens - window.real_tokens) / seconds,
@@ -388,10 +398,13 @@ class Trainer:
             q_hs=[c.q_hs for c in gathered.counters],
             epoch_progress=self._epoch_progress(),
             eta_s=(self.total_steps - self.step) * seconds / max(1, steps),
-            memory_gb=_cuda_memory_gb(self.device),
+            memory_gb=device_memory_gb(self.device),
+            mfu=utilization(flops, seconds, self.peak),
+            colocated=self.target is not None,
         )
         details = {
             "window_s": seconds,
+            "tflops_per_s": flops / seconds / 1e12,
             "paused_s": self._paused_s,
             "step_losses": losses,
             "grad_norm": torch.stack([out.grad_norm.float() for out in pending]).mean().item(),
@@ -464,21 +477,8 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Acceptance length tau of the current drafter on held-out prompts (greedy speculative decoding)."""
         result = self.evaluator(self.drafter)
-        tree = {"tree_tau": result.tree_tau, "tree_budget": result.trees[0].budget} if result.trees else {}
-        record = {
-            "step": self.step,
-            "eval": {
-                "tau": result.tau,
-                **tree,
-                "rounds": result.rounds,
-                "generated_tokens": result.generated_tokens,
-            },
-        }
-        tree_text = f" (tree tau={result.tree_tau:.3f} at budget {tree['tree_budget']})" if tree else ""
-        self.log(
-            f"eval step={self.step}: tau={result.tau:.3f}{tree_text} over {result.rounds} rounds of "
-            f"{len(self.evaluator.prompts)} prompts"
-        )
+        record = {"step": self.step, "eval": result.summary()}
+        self.log(f"eval step={self.step}: {result.summary_line()}")
         self.telemetry.on_record(record)
         return record["eval"]
 
@@ -590,9 +590,3 @@ class Trainer:
         if layout.colocated:
             return f"{layout.num_drafters} colocated ranks ({self.device.type})"
         return f"{layout.num_drafters} drafter + {layout.num_targets} target ranks ({self.device.type})"
-
-
-def _cuda_memory_gb(device: torch.device) -> tuple[float, float] | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.memory_allocated(device) / 1e9, torch.cuda.memory_reserved(device) / 1e9

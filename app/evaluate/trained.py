@@ -1,0 +1,74 @@
+"""tau of a trained drafter, from a run directory (its latest good checkpoint) or one checkpoint: what
+`dflash eval` prints and `app.api.evaluate` returns.
+
+The prompts are `data` (a conversation file) when given, else the run's `data.eval_files`, else the
+records it held out of its training files: the same ones the periodic eval of the run measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.data.dataset import load_tokenized, load_training_data
+from app.errors import UserError
+from app.evaluate.evaluator import Evaluator
+from app.evaluate.prompts import prompts_from_dataset, prompts_from_file
+from app.evaluate.speculative import EvalResult
+from app.export import load_trained_drafter
+from app.model.target import load_target
+from app.train.setup import load_tokenizer, pick_device
+
+
+@dataclass
+class TrainedEvaluation:
+    """One checkpoint's tau on a set of prompts."""
+
+    step: int
+    checkpoint: Path
+    device: str
+    result: EvalResult
+
+    @property
+    def tau(self) -> float:
+        return self.result.tau
+
+    def describe(self) -> list[str]:
+        header = f"eval: step {self.step} ({self.checkpoint}) on {self.device}, {len(self.result.per_prompt)} prompts"
+        return [header, *self.result.describe()]
+
+
+def evaluate_trained(
+    source: str | Path,
+    *,
+    prompts: int | None = None,
+    max_new_tokens: int | None = None,
+    data: str | Path | None = None,
+    tree_budgets: Sequence[int] | None = None,
+    tree_top_k: int | None = None,
+) -> TrainedEvaluation:
+    """Speculative-decode `prompts` prompts (default `train.eval_prompts`) of up to `max_new_tokens`
+    tokens (default `train.eval_max_new_tokens`) with the run's target and `source`'s drafter; tree
+    tau at each of `tree_budgets` with `tree_top_k` tokens per depth (defaults: the run's
+    `train.eval_tree_budget` and `train.eval_tree_top_k`)."""
+    trained = load_trained_drafter(source)
+    config = trained.config
+    count = prompts or config.train.eval_prompts
+    tokenizer = load_tokenizer(config)
+    if data is not None:
+        prompt_ids = prompts_from_file(str(data), tokenizer, count, config.data.chat_template_kwargs)
+    elif config.data.eval_files:
+        held_out = load_tokenized(config.data.eval_files, config.data, tokenizer, min_supervised_tokens=1)
+        prompt_ids = prompts_from_dataset(held_out, count)
+    elif config.data.train_files:
+        prompt_ids = prompts_from_dataset(load_training_data(config, tokenizer)[1], count)
+    else:
+        raise UserError(
+            "eval: no prompts: pass --data FILE or set data.eval_files / data.train_files in the run config"
+        )
+    device = pick_device(config.train.device)
+    target = load_target(config, device)
+    evaluator = Evaluator(config, target, tokenizer, prompt_ids, max_new_tokens, tree_budgets, tree_top_k)
+    result = evaluator(trained.build(target, device))
+    return TrainedEvaluation(trained.step, trained.checkpoint, str(device), result)
