@@ -18,12 +18,14 @@ from app.data.synthetic import synthetic_row
 from app.data.tokenize import ChatTokenizer
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import (
+    TreeSample,
     block_labels,
     block_metrics,
     chunked_lm_head_ce,
     drafter_loss,
     feature_noise_std,
     slot_weights,
+    tree_streak,
 )
 
 VOCAB, HIDDEN, BLOCK = 257, 32, 5
@@ -215,6 +217,43 @@ def test_acc_and_streak_by_hand():
     assert acc.item() == pytest.approx(6 / 7)  # 3 of 4 in block 0, all 3 supervised ones in block 1
     # block 0 stops at its first wrong slot (2), block 1 at its first unsupervised one (1); block 2 is unused
     assert streak.item() == pytest.approx((2 + 1) / 2)
+
+
+def test_the_tree_streak_is_the_leading_slots_on_a_path_of_the_tree():
+    """By hand, logits = the hidden states (identity head): block 0's true tokens are the top-1 at
+    slots 1-2 and the second at slot 3; block 1's true slot 1 is third; block 2 has no supervised slot."""
+    vocab = 6
+    head = nn.Linear(vocab, vocab, bias=False).requires_grad_(False)
+    head.weight.copy_(torch.eye(vocab))
+    labels = torch.tensor([[1, 2, 3], [4, 5, 0], [0, 0, 0]])
+    supervised = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    ranks = [[0, 0, 1], [2, 0, 0], [0, 0, 0]]  # of each slot's true token in its logits
+    hidden = torch.zeros(3, 3, vocab)
+    for block in range(3):
+        for slot in range(3):
+            order = [labels[block, slot].item()] + [t for t in range(vocab) if t != labels[block, slot]]
+            order.insert(ranks[block][slot], order.pop(0))
+            hidden[block, slot, torch.tensor(order)] = -torch.arange(vocab, dtype=torch.float)
+    chain = tree_streak(hidden, head, labels, supervised, TreeSample(budget=3, top_k=1, blocks=8))
+    assert [value.item() for value in chain] == [2 + 0, 2]  # the top-1 chain: block 0 stops at slot 3
+    tree = tree_streak(hidden, head, labels, supervised, TreeSample(budget=16, top_k=3, blocks=8))
+    assert [value.item() for value in tree] == [3 + 2, 2]  # ... a tree holds block 0's rank-1 slot 3 too
+    one = tree_streak(hidden, head, labels, supervised, TreeSample(budget=16, top_k=3, blocks=1))
+    assert [value.item() for value in one] == [3, 1]  # a sample of one: the first block
+
+
+def test_a_log_step_measures_the_tree_streak_on_a_sample(setup):
+    drafter, embed_tokens, lm_head, batch = setup
+    plain = drafter_loss(drafter, batch, embed_tokens, lm_head, chunk_size=4)
+    sample = TreeSample(budget=BLOCK - 1, top_k=1, blocks=100)
+    measured = drafter_loss(drafter, batch, embed_tokens, lm_head, chunk_size=4, tree_sample=sample)
+    assert plain.tree_streak is None and plain.totals()[4:].tolist() == [0.0, 0.0]
+    accepted, blocks = measured.tree_streak
+    # top-1 with budget B-1 is the chain: over every block with a supervised first slot, the streak
+    _, supervised = reference_labels(batch.row, BLOCK)
+    assert blocks.item() == int(supervised[:, 0].sum())
+    assert accepted.item() == pytest.approx(measured.streak.item() * int(batch.row.anchor_valid.sum()))
+    assert measured.totals()[:4].tolist() == plain.totals()[:4].tolist()
 
 
 def test_gamma_defaults_by_block_size(setup):

@@ -112,10 +112,13 @@ def test_run_directory_contents(tiny_lm_dir, tiny_conversations, tmp_path: Path)
     assert len(log_lines) == 2
     # one CPU process: progress of the run's steps, one batch rate, and none of the fields that mean
     # nothing here (queues, separate target/drafter rates, GPU memory, mfu, noise that is off)
+    # (and, on a log step, the DDTree streak of the eval's tree on a sample of the step's blocks)
     assert re.match(
-        r"\[\d+s\] step=4/4 loss=\S+ acc=\S+ streak=\S+ lr=\S+ \| \S+b/s \(\S+Ktok/s\) \| epoch~\S+ ETA=\S+$",
+        r"\[\d+s\] step=4/4 loss=\S+ acc=\S+ streak=\S+ tree_streak=\S+ lr=\S+ \| \S+b/s \(\S+Ktok/s\) "
+        r"\| epoch~\S+ ETA=\S+$",
         log_lines[-1],
     )
+    assert all(0 <= m["tree_streak"] <= config.drafter.block_size - 1 for m in metrics)
     assert all(
         field not in log_lines[-1] for field in ("tgt=", "dft=", "q_pre", "q_hs", "mem=", "mfu", "noise")
     )

@@ -8,8 +8,9 @@ import torch
 
 from app.errors import UserError
 from app.evaluate.speculative import speculative_generate
-from app.evaluate.tree import build_tree, tree_decode, verified_tree_decode
+from app.evaluate.tree import tree_decode, verified_tree_decode
 from app.model.drafter import DFlashDrafter
+from app.model.tree import build_tree
 from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
 
 PROMPT = [5, 17, 42, 99, 3, 250, 11]

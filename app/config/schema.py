@@ -383,6 +383,12 @@ class TelemetryConfig(Section):
     None: the datasheet dense bf16 peak of a known GPU (H100, H200, B200, A100, L40S, ...) when the run
     trains in bf16; on a CPU, an unknown GPU or in fp32, mfu is not shown."""
 
+    tree_streak_blocks: int = Field(16, ge=0)
+    """Blocks of each log step's last batch on which the log line's `tree_streak` is measured: the
+    leading slots whose tokens are a path of the eval's DDTree tree (`train.eval_tree_budget`,
+    `eval_tree_top_k`) built from the drafter's own per-depth top-K (the tree analogue of `streak`);
+    0: not measured."""
+
     status_every: int = Field(10, ge=1)
     """Optimizer steps between atomic status.json updates."""
 

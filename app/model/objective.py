@@ -11,11 +11,13 @@ w.r.t. the hidden states right there (softmax - one-hot, times the LM head), kee
 2 LM-head matmuls, no recompute), and peak memory scales with the chunk size, not the anchors.
 
 Metrics are returned as detached 0-d tensors on the training device: reading them (`.item()`,
-`float()`) synchronises with the GPU, so the trainer should only do it on log steps.
+`float()`) synchronises with the GPU, so the trainer should only do it on log steps. The tree streak
+(`TreeSample`, the DDTree analogue of `streak`) is measured on log steps only, from a few blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ from app.config.schema import TrainConfig
 from app.data.batch import DrafterRow, FeatureBatch
 from app.errors import UserError
 from app.model.attention import UncompiledKernelOnCudaError
+from app.model.tree import build_tree
 
 CeChunk = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -48,6 +51,35 @@ class LossOutput:
     """Std of the Gaussian noise added to the context features this step (0: off)."""
     supervised_tokens: torch.Tensor
     """0-d int64: block slots that carried loss."""
+    tree_streak: tuple[torch.Tensor, torch.Tensor] | None = None
+    """With a `TreeSample`: (sum over the sampled blocks of the leading slots on a path of the tree,
+    blocks sampled), 0-d float each; None otherwise."""
+
+    def totals(self) -> torch.Tensor:
+        """`[6]` float32 on the device, what a step sums over its real micro-batches (the order of
+        `app.pipeline.counters.STEP_FIELDS`): loss, acc, streak, 1, tree-streak slots, tree blocks."""
+        one = torch.ones((), device=self.loss.device)
+        tree = self.tree_streak or (one * 0, one * 0)
+        return torch.stack([self.loss.detach().float(), self.acc.float(), self.streak.float(), one, *tree])
+
+
+@dataclass(frozen=True)
+class TreeSample:
+    """Measure the tree streak this step: on `blocks` valid blocks spread over the row, the leading
+    supervised slots whose tokens are a path of the budget-`budget` DDTree tree built from the
+    drafter's own top-`top_k` per depth (what tree verification would accept, less its bonus token)."""
+
+    budget: int
+    top_k: int
+    blocks: int
+
+    @classmethod
+    def from_config(cls, train: TrainConfig, blocks: int) -> TreeSample | None:
+        """The eval's tree (`train.eval_tree_budget`, `eval_tree_top_k`) on `blocks` blocks; None when
+        either is 0."""
+        if not blocks or not train.eval_tree_budget:
+            return None
+        return cls(train.eval_tree_budget, train.eval_tree_top_k, blocks)
 
 
 def drafter_loss(
@@ -61,6 +93,7 @@ def drafter_loss(
     noise_std: float = 0.0,
     generator: torch.Generator | None = None,
     ce_chunk: CeChunk | None = None,
+    tree_sample: TreeSample | None = None,
 ) -> LossOutput:
     """Forward one feature batch through the drafter and the chunked, decayed block CE.
 
@@ -81,9 +114,42 @@ def drafter_loss(
     weights = weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
     loss, predictions = chunked_lm_head_ce(hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk)
     acc, streak = block_metrics(predictions, labels, supervised, row.anchor_valid)
+    tree = tree_streak(hidden[:, 1:], lm_head, labels, supervised, tree_sample) if tree_sample else None
     return LossOutput(
-        loss=loss, acc=acc, streak=streak, noise=float(noise_std), supervised_tokens=supervised.sum()
+        loss=loss,
+        acc=acc,
+        streak=streak,
+        noise=float(noise_std),
+        supervised_tokens=supervised.sum(),
+        tree_streak=tree,
     )
+
+
+@torch.no_grad()
+def tree_streak(
+    hidden: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor,
+    supervised: torch.Tensor,
+    sample: TreeSample,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the tree streaks, blocks) over `sample.blocks` blocks with a supervised first slot,
+    spread evenly (`hidden [A, B-1, H]` of slots 1..B-1). Reads the row's labels on the host: a log
+    step's synchronisation, one LM-head matmul of the sampled blocks and a tree per block."""
+    leading = torch.cumprod(supervised.int(), dim=1).sum(dim=1)
+    candidates = leading.nonzero().flatten()
+    picks = candidates[
+        torch.linspace(0, len(candidates) - 1, min(sample.blocks, len(candidates))).round().long()
+    ]
+    accepted = 0
+    if len(picks):
+        logits = lm_head(hidden[picks].to(lm_head.weight.dtype))
+        for block, length, block_logits in zip(
+            labels[picks].tolist(), leading[picks].tolist(), logits, strict=True
+        ):
+            accepted += build_tree(block_logits, sample.budget, sample.top_k).accepted(block[:length])
+    device = hidden.device
+    return torch.tensor(float(accepted), device=device), torch.tensor(float(len(picks)), device=device)
 
 
 def block_labels(row: DrafterRow, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +182,14 @@ def feature_noise_std(train: TrainConfig, step: int) -> float:
     if train.feature_noise_decay_steps <= 0:
         return train.feature_noise_std
     return train.feature_noise_std * max(0.0, 1.0 - step / train.feature_noise_decay_steps)
+
+
+def noise_generator(seed: int, step: int, position: int, device: torch.device) -> torch.Generator:
+    """The feature noise's generator at (seed, step, position in the round): the same batch gets the
+    same noise on any topology, and a resumed run replays it."""
+    key = f"noise:{seed}:{step}" + (f":{position}" if position else "")
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
 def block_metrics(

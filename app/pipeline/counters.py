@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from app.pipeline.distributed import Runtime
 
-STEP_FIELDS = ("loss", "acc", "streak", "real")
-"""Per-step sums over a rank's micro-batches: loss x real, acc x real, streak x real, real batches."""
+STEP_FIELDS = ("loss", "acc", "streak", "real", "tree_accepted", "tree_blocks")
+"""Per-step sums over a rank's micro-batches: loss x real, acc x real, streak x real, real batches,
+and on the steps that measure it the tree streak's accepted slots and sampled blocks."""
 
 
 @dataclass
@@ -52,7 +53,7 @@ class GatheredWindow:
     """A log window's metrics over every drafter rank."""
 
     step_totals: torch.Tensor
-    """`[steps, 4]` float32 sums over all ranks (see STEP_FIELDS)."""
+    """`[steps, len(STEP_FIELDS)]` float32 sums over all ranks."""
     counters: list[RankCounters]
     """Per drafter rank, in drafter order."""
 
@@ -61,10 +62,15 @@ class GatheredWindow:
         totals = self.step_totals
         return (totals[:, 0] / totals[:, 3].clamp_min(1)).tolist()
 
-    def mean(self, field: str) -> float:
-        """Mean of `field` over every real batch of the window."""
+    def mean(self, field: str, per: str = "real") -> float:
+        """Mean of `field` over every real batch of the window (or every unit of another field)."""
         column = self.step_totals[:, STEP_FIELDS.index(field)]
-        return float(column.sum() / self.step_totals[:, 3].sum().clamp_min(1))
+        return float(column.sum() / self.step_totals[:, STEP_FIELDS.index(per)].sum().clamp_min(1))
+
+    def tree_streak(self) -> float | None:
+        """The window's tree streak per sampled block; None when no step of it measured one."""
+        blocks = float(self.step_totals[:, STEP_FIELDS.index("tree_blocks")].sum())
+        return self.mean("tree_accepted", per="tree_blocks") if blocks else None
 
 
 def gather_window(runtime: Runtime | None, step_totals: torch.Tensor, mine: RankCounters) -> GatheredWindow:
@@ -80,8 +86,9 @@ def gather_window(runtime: Runtime | None, step_totals: torch.Tensor, mine: Rank
     packed = torch.cat([step_totals.double().flatten(), mine.as_tensor()])
     gathered = [torch.empty_like(packed) for _ in range(runtime.layout.num_drafters)]
     dist.all_gather(gathered, packed, group=runtime.drafter_control)
-    totals = torch.stack([g[: steps * 4].view(steps, 4) for g in gathered]).sum(dim=0).float()
-    counters = [RankCounters.from_tensor(g[steps * 4 :]) for g in gathered]
+    width = len(STEP_FIELDS)
+    totals = torch.stack([g[: steps * width].view(steps, width) for g in gathered]).sum(dim=0).float()
+    counters = [RankCounters.from_tensor(g[steps * width :]) for g in gathered]
     return GatheredWindow(totals, counters)
 
 

@@ -1,7 +1,7 @@
 """The one-line training log in the incident's format, so runs compare at a glance. A split run
 (target ranks streaming features to drafter ranks):
 
-[23m] step=14/3000 loss=10.6894 acc=0.011 streak=0.0 lr=7.53e-06 noise=0.0006 | tgt=0.11b/s dft=0.11b/s
+[23m] step=14/3000 loss=10.6894 acc=0.011 streak=0.0 tree_streak=0.0 lr=7.53e-06 noise=0.0006 | tgt=0.11b/s dft=0.11b/s
 (4.6Ktok/s) mfu=41.3% | q_pre=[50, 46] q_hs=[0] | epoch~0.01 ETA=36.9d | mem=61.2/70.0GB
 
 Only fields that mean something for the run are shown: a colocated run (every rank its own target,
@@ -53,13 +53,19 @@ class LogLine:
     queues (q_pre, q_hs stay 0), so the line shows one rate and no queues."""
     events: list[str] = field(default_factory=list)
     """Health events raised since the previous line (degraded throughput, memory growth, ...)."""
+    tree_streak: float | None = None
+    """Mean leading slots on a path of the DDTree tree, over the blocks sampled on this line's step
+    (`telemetry.tree_streak_blocks`); None when not measured."""
 
     def render(self) -> str:
         eta = format_duration(self.eta_s) if self.eta_s is not None else "?"
         head = (
             f"[{format_duration(self.elapsed_s)}] step={self.step}/{self.total_steps} loss={self.loss:.4f} "
-            f"acc={self.acc:.3f} streak={self.streak:.2f} lr={self.lr:.3g}"
+            f"acc={self.acc:.3f} streak={self.streak:.2f}"
         )
+        if self.tree_streak is not None:
+            head += f" tree_streak={self.tree_streak:.2f}"
+        head += f" lr={self.lr:.3g}"
         if self.noise is not None:
             head += f" noise={self.noise:.4f}"
         rates = (

@@ -20,7 +20,7 @@ from app.config import RunConfig
 from app.config.schema import TrainConfig
 from app.data.batch import FeatureBatch
 from app.model.drafter import DFlashDrafter
-from app.model.objective import LossOutput, drafter_loss
+from app.model.objective import LossOutput, TreeSample, drafter_loss
 
 
 class FrozenHeads(Protocol):
@@ -68,9 +68,15 @@ class DrafterStep:
         the state of the last good step, never with a non-finite one applied."""
 
     def loss(
-        self, batch: FeatureBatch, *, noise_std: float = 0.0, generator: torch.Generator | None = None
+        self,
+        batch: FeatureBatch,
+        *,
+        noise_std: float = 0.0,
+        generator: torch.Generator | None = None,
+        tree_sample: TreeSample | None = None,
     ) -> LossOutput:
-        """The drafter's loss and metrics on `batch`; a recompile here raises a one-line RecompileError."""
+        """The drafter's loss and metrics on `batch` (and its tree streak with `tree_sample`); a
+        recompile here raises a one-line RecompileError."""
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._bf16)
         with autocast, recompile_errors():
             return drafter_loss(
@@ -83,6 +89,7 @@ class DrafterStep:
                 noise_std=noise_std,
                 generator=generator,
                 ce_chunk=self.drafter.kernels.ce_chunk,
+                tree_sample=tree_sample,
             )
 
     def backward(
@@ -92,9 +99,10 @@ class DrafterStep:
         micro_batches: int = 1,
         noise_std: float = 0.0,
         generator: torch.Generator | None = None,
+        tree_sample: TreeSample | None = None,
     ) -> LossOutput:
         """Accumulate the gradient of `batch`'s loss divided by `micro_batches` (their mean, once all ran)."""
-        out = self.loss(batch, noise_std=noise_std, generator=generator)
+        out = self.loss(batch, noise_std=noise_std, generator=generator, tree_sample=tree_sample)
         (out.loss / micro_batches).backward()
         return out
 

@@ -17,7 +17,6 @@ for any topology.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -42,11 +41,18 @@ from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
 from app.model.flops import forward_flops, step_flops
-from app.model.objective import feature_noise_std
+from app.model.objective import TreeSample, feature_noise_std, noise_generator
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import Round, RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
-from app.pipeline.counters import GatheredWindow, RankCounters, Window, gather_window, target_view
+from app.pipeline.counters import (
+    STEP_FIELDS,
+    GatheredWindow,
+    RankCounters,
+    Window,
+    gather_window,
+    target_view,
+)
 from app.pipeline.distributed import Runtime
 from app.pipeline.remote import RemoteFeatureSource
 from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_group
@@ -93,7 +99,7 @@ class StepOutput:
     """One optimizer step's metrics, still on the device (read them on log steps only)."""
 
     totals: torch.Tensor
-    """`[4]`: this rank's sums over real micro-batches of loss, acc, streak, and their count."""
+    """This rank's sums over real micro-batches of `app.pipeline.counters.STEP_FIELDS`."""
     noise: float
     grad_norm: torch.Tensor
     round: Round
@@ -177,6 +183,7 @@ class Trainer:
         self.config = config = with_derived_defaults(config, arch)  # what config.json records
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
         self.drafter_step = DrafterStep(config, self.drafter, self.heads, self.device)
+        self._tree_sample = TreeSample.from_config(config.train, config.telemetry.tree_streak_blocks)
         self.optimizer = self.drafter_step.optimizer
         self.signal = training_signal(config, layer_ids, self.tokenizer)
         self.step = 0
@@ -223,7 +230,8 @@ class Trainer:
         noise_std = feature_noise_std(train, self.step)
         distributed = step.model is not self.drafter
         micro = batches.micro
-        sums = torch.zeros(4, device=self.device)
+        sums = torch.zeros(len(STEP_FIELDS), device=self.device)
+        tree = self._tree_sample if (self.step + 1) % self.config.telemetry.log_every == 0 else None
         flops = torch.zeros((), dtype=torch.int64, device=self.device)
         for number, item in enumerate(micro):
             if item.planned is None and not distributed:
@@ -236,12 +244,13 @@ class Trainer:
                     item.features,
                     micro_batches=len(micro),
                     noise_std=noise_std,
-                    generator=self._noise_generator(position) if noise_std > 0 else None,
+                    generator=noise_generator(train.seed, self.step, position, self.device)
+                    if noise_std > 0
+                    else None,
+                    tree_sample=tree if last and item.planned is not None else None,
                 )
             if item.planned is not None:
-                sums += torch.stack(
-                    [out.loss.detach().float(), out.acc.float(), out.streak.float(), sums.new_ones(())]
-                )
+                sums += out.totals()
                 flops += step_flops(forward_flops(self.drafter.arch, item.features.row))
         grad_norm = step.apply(learning_rate(self.step, self.total_steps, train), loss=sums[0])
         self.step += 1
@@ -250,12 +259,6 @@ class Trainer:
     @property
     def _drafter_index(self) -> int:
         return self.runtime.layout.index if self.runtime is not None else 0
-
-    def _noise_generator(self, position: int) -> torch.Generator:
-        """Noise of (seed, step, position in the round): the same batch gets the same noise on any topology."""
-        key = f"noise:{self.config.train.seed}:{self.step}" + (f":{position}" if position else "")
-        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-        return torch.Generator(device=self.device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -389,6 +392,7 @@ class Trainer:
             loss=sum(losses) / len(losses),
             acc=gathered.mean("acc"),
             streak=gathered.mean("streak"),
+            tree_streak=gathered.tree_streak(),
             lr=self.optimizer.param_groups[0]["lr"],
             noise=pending[-1].noise if self.config.train.feature_noise_std > 0 else None,
             target_batches_per_s=(following.target_batches - window.target_batches) / seconds,
