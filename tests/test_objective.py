@@ -221,13 +221,14 @@ def test_acc_and_streak_by_hand():
 
 def test_the_tree_streak_is_the_leading_slots_on_a_path_of_the_tree():
     """By hand, logits = the hidden states (identity head): block 0's true tokens are the top-1 at
-    slots 1-2 and the second at slot 3; block 1's true slot 1 is third; block 2 has no supervised slot."""
+    slots 1-2 and the second at slot 3; block 1's true slot 1 is the second and its slot 3 is not
+    supervised (its label 0 is the top-1 there: it must not count); block 2 has no supervised slot."""
     vocab = 6
     head = nn.Linear(vocab, vocab, bias=False).requires_grad_(False)
     head.weight.copy_(torch.eye(vocab))
     labels = torch.tensor([[1, 2, 3], [4, 5, 0], [0, 0, 0]])
     supervised = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
-    ranks = [[0, 0, 1], [2, 0, 0], [0, 0, 0]]  # of each slot's true token in its logits
+    ranks = [[0, 0, 1], [1, 0, 0], [0, 0, 0]]  # of each slot's label in its logits
     hidden = torch.zeros(3, 3, vocab)
     for block in range(3):
         for slot in range(3):

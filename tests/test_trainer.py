@@ -19,6 +19,7 @@ from app.config import load_config
 from app.errors import UserError
 from app.model.flops import forward_flops, step_flops
 from app.model.objective import drafter_loss
+from app.pipeline.counters import GatheredWindow
 from app.train.schedule import learning_rate
 from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
 from tests.helpers import (
@@ -430,3 +431,12 @@ def test_a_resume_keeps_the_schedule_or_refuses_a_change(
     assert any("the learning rate follows the new schedule (total_steps 2 -> 4)" in line for line in lines)
     assert trainer.run().steps == 4
     assert trainer.optimizer.param_groups[0]["lr"] == learning_rate(3, 4, rescheduled.train)
+
+
+def test_a_window_s_tree_streak_is_per_sampled_block_over_the_steps_that_measured_it() -> None:
+    # STEP_FIELDS per step: loss, acc, streak, real batches, tree-streak slots, tree blocks
+    totals = torch.tensor([[4.0, 1.0, 2.0, 2.0, 0.0, 0.0], [6.0, 1.0, 3.0, 2.0, 30.0, 16.0]])
+    window = GatheredWindow(totals, [])
+    assert window.mean("streak") == pytest.approx(5 / 4)  # per real batch of the window
+    assert window.tree_streak() == pytest.approx(30 / 16)  # per sampled block, not per batch
+    assert GatheredWindow(totals[:1], []).tree_streak() is None  # no step of it measured one
