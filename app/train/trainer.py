@@ -157,12 +157,7 @@ class Trainer:
             f"; the run's {shapes.describe()}"
         )
         layout = runtime.layout if runtime is not None else None
-        self.rounds = RoundPlanner(
-            self.planner,
-            drafters=layout.num_drafters if layout else 1,
-            grad_accum=config.train.grad_accum,
-            targets=layout.num_targets if layout else 0,
-        )
+        self.rounds = RoundPlanner.for_layout(self.planner, layout, config.train.grad_accum)
         self.total_steps = self.rounds.total_steps(config.train.epochs)
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
@@ -267,6 +262,12 @@ class Trainer:
             f"{self._where()}: {self.total_steps} steps ({epochs}), "
             + (f"resuming at step {self.step}" if self.resumed else "from step 0")
         )
+        if self.rounds.feeding is not None:  # split: who feeds whom, and the traffic between nodes
+            dtype = self.heads.embed_tokens.weight.dtype
+            arch = self.drafter.arch
+            self._note(
+                self.rounds.feeding.describe(config.data.token_budget, arch.feature_size, dtype.itemsize)
+            )
         if train.eval_every and self.target is None:
             self._note(
                 "periodic eval (train.eval_every) needs the target on the drafter rank: skipped in a split "
