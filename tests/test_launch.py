@@ -18,7 +18,8 @@ from tests.datagen_server import free_port
 
 TWO_NODES = TopologyConfig(target_ranks=2, drafter_ranks=2, nnodes=2, nproc_per_node=2)
 ONE_NODE = TopologyConfig(target_ranks=2, drafter_ranks=2, nproc_per_node=4)
-STATIC = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+# a short wait: a case that wrongly reaches the probe fails in a second, not after the default 300 s
+STATIC = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "DFLASH_RENDEZVOUS_WAIT_S": "1"}
 
 
 def test_one_node_is_standalone() -> None:
