@@ -12,8 +12,11 @@
 # CONFIG defaults to $DFLASH_CONFIG. Environment:
 #   DFLASH_SKIP_DOCTOR=1       run even when `dflash doctor` says this is not the locked stack
 #   DFLASH_DOCTOR_AGAINST=RUN  also diff against a recorded run's fingerprint; a breaking change stops
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT    multi-node, static rendezvous (torchrun defaults)
-#   RDZV_ENDPOINT=host:port, RDZV_ID               multi-node, c10d rendezvous (no node ranks needed)
+#   NNODES                     multi-node: the job's node count, passed to the trainer as topology.nnodes
+#   RDZV_ENDPOINT=host:port, RDZV_ID               c10d rendezvous (node ranks assigned by it), or
+#   MASTER_ADDR, MASTER_PORT, NODE_RANK            static rendezvous (NODE_RANK 0 at MASTER_ADDR);
+#                              the same on every node but NODE_RANK; a partial or mixed set is refused
+#   DFLASH_RENDEZVOUS_WAIT_S   how long a joining node waits for the endpoint to answer (default 300)
 #   DFLASH_TORCHRUN_ARGS       extra torchrun arguments, e.g. "--max-restarts 2"
 #   DFLASH_DRY_RUN=1           print the command that would run, after the checks, and exit
 #
@@ -111,22 +114,12 @@ check_datagen_paths() {
     require_writable "$(config_get datagen.output_dir)" "datagen output (datagen.output_dir)"
 }
 
-# torchrun: one process per GPU from topology.nproc_per_node; nodes from NNODES or topology.nnodes.
+# torchrun from the config's topology and this node's rendezvous variables: `dflash config torchrun`
+# refuses a partial or mixed rendezvous in one line (exit 2) and waits for an endpoint another node hosts.
 torchrun_command() {
-    local nproc nnodes
-    nproc=$(config_get topology.nproc_per_node)
-    nnodes=$(config_get topology.nnodes)
-    torchrun_cmd=(torchrun --nnodes "$nnodes" --nproc-per-node "$nproc")
-    if [[ $nnodes -eq 1 ]]; then
-        torchrun_cmd+=(--standalone)
-    elif [[ -n "${RDZV_ENDPOINT:-}" ]]; then
-        torchrun_cmd+=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-dflash}")
-    elif [[ -n "${MASTER_ADDR:-}" ]]; then
-        [[ -n "${NODE_RANK:-}" ]] || die "multi-node with MASTER_ADDR needs NODE_RANK (0 on the master node)"
-        torchrun_cmd+=(--node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "${MASTER_PORT:-29500}")
-    else
-        die "topology.nnodes is $nnodes: set RDZV_ENDPOINT=host:port (or MASTER_ADDR, MASTER_PORT and NODE_RANK) on every node"
-    fi
+    local listed
+    listed=$(dflash config torchrun "$config" "${overrides[@]}")
+    mapfile -t torchrun_cmd <<<"$listed"
     if [[ -n "${DFLASH_TORCHRUN_ARGS:-}" ]]; then
         local extra
         read -r -a extra <<<"$DFLASH_TORCHRUN_ARGS"
@@ -163,6 +156,7 @@ train | build-cache | datagen)
     args=("$@")
     # NNODES from the launcher's environment is the truth for this job; the config must agree with it.
     if [[ -n "${NNODES:-}" ]]; then
+        [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES=$NNODES: expected the job's node count (1, 2, ...)"
         args+=("topology.nnodes=$NNODES")
     fi
     overrides=()
@@ -171,13 +165,15 @@ train | build-cache | datagen)
             overrides+=("$arg")
         fi
     done
+    if [[ "$mode" == train ]]; then
+        torchrun_command # first: a bad rendezvous stops in a second, before the doctor or any model code loads
+    fi
     # Resolved once (file + overrides + defaults): a bad config stops here with dflash's one-line error.
     resolved=$(dflash config show "$config" "${overrides[@]}" --json)
     check_environment
     case "$mode" in
     train)
         check_train_paths
-        torchrun_command
         launch "${torchrun_cmd[@]}" --no-python dflash train "$config" "${args[@]}"
         ;;
     build-cache)

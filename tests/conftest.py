@@ -104,3 +104,24 @@ def no_ambient_wandb_settings(monkeypatch):
 
     for name in [name for name in os.environ if name.startswith("WANDB_")]:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def accumulation_reference(tiny_lm_dir, tiny_conversations, tmp_path_factory) -> Path:
+    """The colocated single-process trainer accumulating 2 batches per step for KILL_RUN_STEPS steps,
+    a checkpoint at every step: what 2 drafters on one node, or 1 drafter on any number of nodes,
+    accumulating 1 or 2 batches each, must train bit for bit (tests/test_distributed.py,
+    tests/test_multinode.py)."""
+    from app.config import load_config
+    from app.train.trainer import Trainer
+    from tests.helpers import SMALL
+    from tests.jobs import CONFIG, KILL_RUN_STEPS, one_thread
+
+    run_dir = tmp_path_factory.mktemp("reference")
+    config = load_config(
+        CONFIG,
+        [*SMALL, f"data.train_files=['{tiny_conversations}']", f"train.output_dir={run_dir}",
+         f"train.max_steps={KILL_RUN_STEPS}", "train.grad_accum=2", "train.save_every=1", "train.keep_last=100"],
+    )  # fmt: skip
+    one_thread(lambda: Trainer(config, log=lambda line: None).run())
+    return run_dir

@@ -105,3 +105,12 @@ def test_dockerignore_keeps_data_state_and_history_out_of_the_context():
     ):
         assert entry in ignored
     assert "compile_cache" not in ignored  # baked as the image's last layer
+
+
+def test_train_passes_every_rendezvous_variable_the_launch_reads(services):
+    """A variable left out of `environment` would silently not reach the entrypoint on a node."""
+    from app.pipeline.launch import C10D, STATIC, WAIT_VARIABLE
+
+    passed = services["train"]["environment"]
+    for name in ("NNODES", *C10D, *STATIC, WAIT_VARIABLE, "DFLASH_TORCHRUN_ARGS"):
+        assert name in passed and passed[name] is None, name  # from the shell, never a value baked in

@@ -11,8 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,20 +36,9 @@ from app.pipeline.sidechannel import SideChannel, Watchdog
 from app.pipeline.transport import decode_meta, encode_meta, sample_digest
 from app.train.trainer import Trainer
 from tests.helpers import SMALL
+from tests.jobs import CONFIG, KILL_RUN_STEPS, finish, logged_steps, one_thread, split, torchrun, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "tiny.toml"
-
-KILL_RUN_STEPS = 30
-"""Long enough that the run cannot finish before the test kills a target at step 2 (queues are 1 deep)."""
-
-
-def split(targets: int, drafters: int) -> list[str]:
-    return [
-        f"topology.target_ranks={targets}",
-        f"topology.drafter_ranks={drafters}",
-        f"topology.nproc_per_node={targets + drafters}",
-    ]
 
 
 def quiet(line: str) -> None:
@@ -222,71 +209,6 @@ def small_conversations(tiny_conversations, tmp_path_factory) -> Path:
     return path
 
 
-def child_environment() -> dict[str, str]:
-    """Environment of the torchrun job: bytecode cached outside the tree, so that the 2-8 cold
-    interpreter starts of each job do not recompile torch and transformers every time (this
-    environment may set PYTHONDONTWRITEBYTECODE)."""
-    env = dict(os.environ)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(Path.home() / ".cache" / "dflash" / "pycache")
-    env["OMP_NUM_THREADS"] = "1"  # what torchrun sets anyway; the in-process references match it
-    return env
-
-
-def torchrun(nproc: int, overrides: list[str], log: Path, *flags: str) -> subprocess.Popen:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "app", "train", str(CONFIG), *overrides, *flags,
-    ]  # fmt: skip
-    with open(log, "w") as handle:
-        return subprocess.Popen(
-            command, cwd=ROOT, env=child_environment(), stdout=handle, stderr=subprocess.STDOUT
-        )
-
-
-def finish(process: subprocess.Popen, log: Path, timeout: float = 600) -> str:
-    process.wait(timeout=timeout)
-    return log.read_text()
-
-
-def logged_steps(run_dir: Path) -> list[dict]:
-    metrics = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-
-
-def worker_pid(agent: subprocess.Popen, rank: int) -> int:
-    """The pid of torchrun's worker for global `rank` (a child of the agent with RANK=rank)."""
-    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
-    for child in children:
-        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in environ:
-            return int(child)
-    raise AssertionError(f"no worker with RANK={rank} among {children}")
-
-
-def one_thread(function):
-    """Run `function()` with one intra-op thread, like torchrun's workers: CPU sums then match bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return function()
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def accumulation_reference(tiny_lm_dir, tiny_conversations, tmp_path_factory) -> Path:
-    """The colocated single-process trainer accumulating 2 batches per step: what 2 drafters must do."""
-    run_dir = tmp_path_factory.mktemp("reference")
-    config = load_config(
-        CONFIG,
-        [*SMALL, f"data.train_files=['{tiny_conversations}']", f"train.output_dir={run_dir}",
-         f"train.max_steps={KILL_RUN_STEPS}", "train.grad_accum=2", "train.save_every=1", "train.keep_last=100"],
-    )  # fmt: skip
-    one_thread(lambda: Trainer(config, log=quiet).run())
-    return run_dir
-
-
 @pytest.fixture(scope="module")
 def killed_split_run(tiny_lm_dir, tiny_conversations, tmp_path_factory) -> dict:
     """2 targets + 2 drafters under torchrun; target 1 (rank 3) is SIGKILLed once step 2 is logged."""
@@ -368,7 +290,7 @@ def test_resume_after_the_killed_run_on_another_topology_ends_like_the_reference
     run_dir = killed_split_run["run_dir"]
     resumed_from = max(int(path.name.split("_")[1]) for path in checkpoint_root(run_dir).glob("step_*"))
     assert 2 <= resumed_from < KILL_RUN_STEPS
-    overrides = [*killed_split_run["overrides"][:-3], "train.grad_accum=2", *split(1, 1)]
+    overrides = [*killed_split_run["overrides"][: -len(split(2, 2))], "train.grad_accum=2", *split(1, 1)]
     log = run_dir.parent / f"{run_dir.name}-resume.log"
     output = finish(torchrun(2, overrides, log, "--resume"), log)
     assert f"resumed from {checkpoint_root(run_dir) / f'step_{resumed_from:08d}'}" in output, output[-3000:]

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.datagen_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRYPOINT = ROOT / "entrypoint.sh"
@@ -23,7 +26,16 @@ def run_entrypoint(*args: str, env: dict[str, str] | None = None) -> subprocess.
     base = {
         key: value
         for key, value in os.environ.items()
-        if key not in {"NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT", "DFLASH_CONFIG"}
+        if key
+        not in {
+            "NNODES",
+            "NODE_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RDZV_ENDPOINT",
+            "RDZV_ID",
+            "DFLASH_CONFIG",
+        }
     }
     base["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{base.get('PATH', '')}"
     return subprocess.run(
@@ -83,31 +95,63 @@ def test_single_node_train_is_standalone_torchrun_with_nproc_from_the_config(run
 
 
 def test_multi_node_static_rendezvous_from_the_environment(run_paths):
-    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29600"}
-    command = launched(train(run_paths, "topology.drafter_ranks=2", env=env))
+    """Node 1 joins the rendezvous node 0 serves: the entrypoint waits for it to answer, then execs."""
+    with socket.create_server(("127.0.0.1", 0)) as node_0:
+        port = str(node_0.getsockname()[1])
+        env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        command = launched(train(run_paths, "topology.drafter_ranks=2", env=env))
     assert command[:11] == [
         *("torchrun", "--nnodes", "2", "--nproc-per-node", "1"),
-        *("--node-rank", "1", "--master-addr", "10.0.0.7", "--master-port", "29600"),
+        *("--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", port),
     ]
     assert command[-1] == "topology.nnodes=2"  # the trainer sees the same node count as torchrun
 
 
 def test_multi_node_c10d_rendezvous_and_extra_torchrun_args(run_paths):
-    env = {"NNODES": "2", "RDZV_ENDPOINT": "head:29400", "DFLASH_TORCHRUN_ARGS": "--max-restarts 2"}
+    env = {"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1:29400", "DFLASH_TORCHRUN_ARGS": "--max-restarts 2"}
     command = launched(train(run_paths, "topology.drafter_ranks=2", env=env))
     assert command[:13] == [
         *("torchrun", "--nnodes", "2", "--nproc-per-node", "1"),
-        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "dflash"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "dflash"),
         *("--max-restarts", "2"),
     ]
 
 
-def test_multi_node_without_a_rendezvous_is_refused(run_paths):
-    done = train(run_paths, "topology.drafter_ranks=2", env={"NNODES": "2"})
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        ({"NNODES": "2"},
+         "dflash: error: topology.nnodes is 2: set RDZV_ENDPOINT=host:port (or MASTER_ADDR, MASTER_PORT and "
+         "NODE_RANK) on every node"),
+        ({"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+         "dflash: error: static rendezvous: NODE_RANK not set; set MASTER_ADDR, MASTER_PORT and NODE_RANK on every "
+         "node (NODE_RANK 0 on the node at MASTER_ADDR, 1..N-1 on the others), or RDZV_ENDPOINT alone"),
+        ({"RDZV_ENDPOINT": "127.0.0.1:29400"},
+         "dflash: error: RDZV_ENDPOINT set but topology.nnodes is 1: set NNODES to the job's node count on every "
+         "node, or unset RDZV_ENDPOINT for a one-node job"),
+        ({"NNODES": "two"}, "entrypoint: error: NNODES=two: expected the job's node count (1, 2, ...)"),
+        ({"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1:29400", "MASTER_ADDR": "127.0.0.1"},
+         "dflash: error: RDZV_ENDPOINT (c10d rendezvous) and MASTER_ADDR (static rendezvous) are both set: set "
+         "either RDZV_ENDPOINT (and RDZV_ID), or MASTER_ADDR, MASTER_PORT and NODE_RANK"),
+    ],
+)  # fmt: skip
+def test_a_bad_or_partial_rendezvous_is_refused_in_one_line(run_paths, env, line):
+    """Before the doctor, the config's model defaults or torchrun load: the whole stderr is that line."""
+    two_nodes = ["topology.drafter_ranks=2"] if "NNODES" in env else []  # without NNODES the config's 1 node
+    done = train(run_paths, *two_nodes, env=env)
     assert done.returncode == 2
-    assert errors(done) == [
-        "entrypoint: error: topology.nnodes is 2: set RDZV_ENDPOINT=host:port "
-        "(or MASTER_ADDR, MASTER_PORT and NODE_RANK) on every node"
+    assert done.stderr.splitlines() == [line]
+
+
+def test_an_unreachable_rendezvous_is_refused_in_one_line(run_paths):
+    port = free_port()  # node 0 never comes up
+    env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = train(run_paths, "topology.drafter_ranks=2", env={**env, "DFLASH_RENDEZVOUS_WAIT_S": "1"})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"dflash: error: rendezvous 127.0.0.1:{port} (MASTER_ADDR:MASTER_PORT) did not answer within 1s "
+        "(Connection refused): start the node that hosts it first, check the address, and that the port is "
+        "open between the nodes (DFLASH_RENDEZVOUS_WAIT_S sets the wait)"
     ]
 
 

@@ -4,7 +4,8 @@ Two fresh processes at the config's exact shapes, one after the other:
 1. stages: one process on one device times the target forward over the run's own first target
    batches (its data, its length buckets and padding) and the drafter's optimizer step, compiled
    as training compiles it (from the baked cache when present);
-2. pipeline: torchrun runs `dflash train` with the config's topology for `--steps` steps.
+2. pipeline: torchrun runs `dflash train` with the config's topology for `--steps` steps (on several
+   nodes: the bench runs on each, joined by the rendezvous in the environment, like `entrypoint.sh train`).
 From the run's metrics.jsonl after `telemetry.warmup_steps`: batches/s per role, tokens/s, queue
 depths per rank, the share of time each target rank spent in its forward and each drafter rank
 waited for features. A stage's capacity is its ranks / seconds per batch, and the pipeline cannot beat
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
 import sys
 import time
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from app.bench.child import emit, run_child
 from app.config import RunConfig, load_config
 from app.errors import UserError
+from app.pipeline.launch import torchrun_options
 
 if TYPE_CHECKING:
     import torch
@@ -37,13 +41,22 @@ TARGET_STAGE_BATCHES = 30
 """Target batches of the run's first epoch plan timed by the stages process (after one warm-up forward)."""
 
 
-def run_pipeline_bench(config_path: str, overrides: list[str], steps: int, workdir: Path) -> dict[str, Any]:
-    """Both measurements and their comparison; the run directory is a fresh one under `workdir`."""
+def run_pipeline_bench(
+    config_path: str, overrides: list[str], steps: int, workdir: Path
+) -> dict[str, Any] | None:
+    """Both measurements and their comparison; the run directory is a fresh one under `workdir`.
+
+    A multi-node topology runs with this node's rendezvous (`app.pipeline.launch`): the same command on
+    every node, with the same NNODES and RDZV_ENDPOINT (or MASTER_ADDR, MASTER_PORT and NODE_RANK). The
+    node of drafter rank 0 reports, with the stages measured on its own device (nodes alike); the
+    others return None once their ranks are done."""
     config = load_config(config_path, [*overrides, f"train.max_steps={steps}"])
     topology = config.topology
-    if topology.nnodes != 1:
-        raise UserError("bench pipeline: topology.nnodes must be 1 (the benchmark runs one node's ranks)")
-    run_dir = workdir.absolute() / time.strftime("pipeline-%Y%m%d-%H%M%S")
+    # First, before anything loads: a bad rendezvous is one line, a joining node waits for the host.
+    launch = [sys.executable, "-m", "torch.distributed.run", *torchrun_options(topology, os.environ)]
+    # On several nodes each runs its own bench (and may share the workdir): one run directory per node.
+    suffix = f"-{socket.gethostname()}-{os.getpid()}" if topology.nnodes > 1 else ""
+    run_dir = workdir.absolute() / (time.strftime("pipeline-%Y%m%d-%H%M%S") + suffix)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     print("=== stages alone (one process, one device)", flush=True)
     stages = run_child([sys.executable, "-m", "app.bench.pipeline", config_path, *overrides])
@@ -58,12 +71,13 @@ def run_pipeline_bench(config_path: str, overrides: list[str], steps: int, workd
         f"train.save_every={steps}",
         "telemetry.wandb=disabled",
     ]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launch += [f"--nproc-per-node={topology.nproc_per_node}", "-m", "app", "train", config_path]
+    launch += ["-m", "app", "train", config_path]
     run_dir.mkdir()
     outcome = run_child([*launch, *train_overrides], log=run_dir / "torchrun.log")
     if "failed" in outcome:
         raise UserError(f"bench pipeline: the training job failed ({outcome['failed']})")
+    if not (run_dir / "metrics.jsonl").exists() and topology.nnodes > 1:
+        return None  # drafter rank 0, which logs, ran on another node: the report is that node's
     steady = steady_state(read_train_records(run_dir / "metrics.jsonl"), config.telemetry.warmup_steps)
     return {"config": config_path, "overrides": overrides, "topology": _describe(config),
             "stages": stages, "pipeline": steady, "capacity": stage_capacity(config, stages, steady)}  # fmt: skip
@@ -205,9 +219,10 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _describe(config: RunConfig) -> str:
     topology = config.topology
+    nodes = f" on {topology.nnodes} nodes" if topology.nnodes > 1 else ""
     if topology.target_ranks == 0:
-        return f"{topology.drafter_ranks} colocated rank{'s' if topology.drafter_ranks > 1 else ''}"
-    return f"{topology.target_ranks} target + {topology.drafter_ranks} drafter ranks"
+        return f"{topology.drafter_ranks} colocated rank{'s' if topology.drafter_ranks > 1 else ''}{nodes}"
+    return f"{topology.target_ranks} target + {topology.drafter_ranks} drafter ranks{nodes}"
 
 
 def _mean_per_rank(records: list[dict[str, Any]], field: str) -> list[float]:

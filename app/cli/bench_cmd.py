@@ -84,6 +84,11 @@ def pipeline(
     from app.bench.pipeline import format_report, run_pipeline_bench
 
     report = run_pipeline_bench(config, overrides or [], steps, Path(workdir))
+    if report is None:
+        print(
+            "bench pipeline: this node's ranks are done; the report is printed on the node of drafter rank 0"
+        )
+        return
     print(format_report(report))
     if out:
         write_json_atomic(Path(out), report)

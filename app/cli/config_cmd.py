@@ -1,4 +1,5 @@
-"""`dflash config show|schema`: the resolved config of a run, and every field with its doc."""
+"""`dflash config show|schema|torchrun`: the resolved config of a run, every field with its doc, and the
+torchrun command that launches its topology on this node."""
 
 from __future__ import annotations
 
@@ -38,6 +39,23 @@ def show(
         for name, value in fields.items():
             print(f"{name} = {json.dumps(value)}")
         print()
+
+
+@group.command("torchrun")
+def torchrun(
+    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    overrides: Overrides = None,
+) -> None:
+    """Print, one word per line, the torchrun command (without the program it runs) that launches the
+    config's topology on this node: from topology.nnodes / nproc_per_node and the rendezvous variables
+    (RDZV_ENDPOINT and RDZV_ID, or MASTER_ADDR, MASTER_PORT and NODE_RANK), after waiting for an
+    endpoint another node hosts. entrypoint.sh train runs it; a partial rendezvous is refused."""
+    import os
+
+    from app.pipeline.launch import torchrun_options
+
+    options = torchrun_options(load_config(config, overrides or []).topology, os.environ)
+    print("\n".join(["torchrun", *options]))
 
 
 @group.command("schema")

@@ -316,7 +316,9 @@ class TopologyConfig(Section):
     """Ranks that train the drafter (DDP over this group)."""
 
     nnodes: int = Field(1, ge=1)
-    """Nodes in the job (torchrun --nnodes)."""
+    """Nodes in the job (torchrun --nnodes; entrypoint.sh sets it from NNODES). The drafters are spread
+    evenly over the nodes and a drafter's batches come from its own node's targets first: give every
+    node the same split to keep features on their node (docs/architecture.md, Process topology)."""
 
     nproc_per_node: int = Field(1, ge=1)
     """Processes (GPUs) per node (torchrun --nproc-per-node)."""

@@ -14,7 +14,7 @@ import torch
 
 from app.data.batch import FeatureBatch
 from app.data.batching import DataCursor
-from app.pipeline.assignment import Delivery, RoundPlanner
+from app.pipeline.assignment import RoundPlanner
 from app.pipeline.distributed import Runtime
 from app.pipeline.source import MicroBatch, SourceStats, StepBatches, padding_batch
 from app.pipeline.transport import FeatureReceiver
@@ -65,18 +65,18 @@ class RemoteFeatureSource:
             if number >= steps:
                 return
             micro = []
-            for planned in round_.for_drafter(self.drafter, self.rounds.drafters):
-                if planned is None:
+            for position in range(self.drafter, self.rounds.size, self.rounds.drafters):
+                delivery = self.rounds.delivery(round_, position)
+                if delivery is None:
                     micro.append(MicroBatch(None, self._padding_batch()))
                     continue
-                delivery = Delivery(planned, self.rounds.target_of(planned), self.drafter)
                 started = time.perf_counter()
                 features, real_tokens = self._receiver.get(delivery)
                 self.stats.wait_seconds += time.perf_counter() - started
                 self.stats.drafter_batches += 1
                 self.stats.real_tokens += real_tokens
                 self.stats.from_targets[delivery.target] += 1
-                micro.append(MicroBatch(planned, features))
+                micro.append(MicroBatch(delivery.batch, features))
             self.stats.q_hs = [self._receiver.depth]
             yield StepBatches(round_, micro)
 

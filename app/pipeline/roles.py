@@ -1,9 +1,17 @@
 """Which rank does what: `target`, `drafter` or `colocated`, from `topology` and torchrun's rank.
 
-Split topology (`topology.target_ranks = T > 0`): global ranks 0..D-1 train the drafter (DDP over
-them; drafter rank 0 is global rank 0, the rank that logs and writes checkpoints) and ranks
-D..D+T-1 run the frozen target. Colocated (`target_ranks = 0`): every rank runs target and drafter
-on its own share of the batches, and all of them form the drafter group.
+Split topology (`topology.target_ranks = T > 0`): D ranks train the drafter (DDP over them) and T
+run the frozen target. Colocated (`target_ranks = 0`): every rank runs target and drafter on its own
+share of the batches, and all of them form the drafter group.
+
+Placement (docs/architecture.md, Process topology). torchrun numbers the ranks node by node (node n
+holds ranks n x P .. n x P + P - 1, P = nproc_per_node). The drafters are spread evenly over the
+nodes, node 0 taking the first of any remainder; on each node its drafters take the first local
+ranks and targets the rest. Both roles are numbered in global rank order, so drafter 0 is global
+rank 0 (it logs and checkpoints) and the drafter group's ranks are the drafter indices on any node
+count: the same layout trains bit for bit the same on one node or several. On one node this is
+drafters 0..D-1, targets D..D+T-1. Which target feeds which drafter is the assignment's
+(`assignment.Feeding`: a drafter's own node first).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ class RankLayout:
     rank: int
     world_size: int
     local_rank: int
+    nproc_per_node: int
+    """Ranks per node: global rank r runs on node r div nproc_per_node (torchrun numbers them so)."""
     target_ranks: tuple[int, ...]
     """Global ranks of targets 0..T-1 (empty when colocated)."""
     drafter_ranks: tuple[int, ...]
@@ -69,6 +79,43 @@ class RankLayout:
     def num_targets(self) -> int:
         return len(self.target_ranks)
 
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.nproc_per_node
+
+    @property
+    def node(self) -> int:
+        """This rank's node (torchrun's GROUP_RANK)."""
+        return self.node_of(self.rank)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.nproc_per_node
+
+    @property
+    def drafter_nodes(self) -> tuple[int, ...]:
+        """The node of each drafter 0..D-1."""
+        return tuple(map(self.node_of, self.drafter_ranks))
+
+    @property
+    def target_nodes(self) -> tuple[int, ...]:
+        """The node of each target 0..T-1."""
+        return tuple(map(self.node_of, self.target_ranks))
+
+
+def place_roles(topology: TopologyConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(target ranks, drafter ranks), each in role-index order (see the module docstring)."""
+    world = topology.nnodes * topology.nproc_per_node
+    if topology.target_ranks == 0:
+        return (), tuple(range(world))
+    base, extra = divmod(topology.drafter_ranks, topology.nnodes)
+    targets: list[int] = []
+    drafters: list[int] = []
+    for node in range(topology.nnodes):
+        first, own = node * topology.nproc_per_node, base + (node < extra)
+        drafters += range(first, first + own)
+        targets += range(first + own, first + topology.nproc_per_node)
+    return tuple(targets), tuple(drafters)
+
 
 def layout_for(topology: TopologyConfig, rank: int, world_size: int, local_rank: int) -> RankLayout:
     """The layout of `rank` in a job of `world_size` processes laid out by `topology`."""
@@ -82,31 +129,38 @@ def layout_for(topology: TopologyConfig, rank: int, world_size: int, local_rank:
         )
     if not 0 <= rank < world_size:
         raise UserError(f"RANK={rank} is outside the job's {world_size} processes")
-    drafters = topology.drafter_ranks
-    if topology.target_ranks == 0:
-        return RankLayout(rank, world_size, local_rank, (), tuple(range(world_size)))
-    return RankLayout(
-        rank,
-        world_size,
-        local_rank,
-        target_ranks=tuple(range(drafters, drafters + topology.target_ranks)),
-        drafter_ranks=tuple(range(drafters)),
-    )
+    targets, drafters = place_roles(topology)
+    return RankLayout(rank, world_size, local_rank, topology.nproc_per_node, targets, drafters)
 
 
 def layout_from_environment(topology: TopologyConfig) -> RankLayout:
-    """This process's layout from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process: rank 0 of 1)."""
-    return layout_for(
+    """This process's layout from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process: rank 0 of 1),
+    its node count and processes per node checked against the config's (GROUP_WORLD_SIZE /
+    LOCAL_WORLD_SIZE: 4 processes as 1 node x 4 is another placement than 2 x 2)."""
+    layout = layout_for(
         topology,
         rank=int(os.environ.get("RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", topology.nnodes))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", topology.nproc_per_node))
+    if (nodes, per_node) != (topology.nnodes, topology.nproc_per_node):
+        raise UserError(
+            f"topology: the config lays out nnodes {topology.nnodes} x nproc_per_node "
+            f"{topology.nproc_per_node} but torchrun started {nodes} node{'s' if nodes > 1 else ''} x "
+            f"{per_node} (GROUP_WORLD_SIZE={nodes}, LOCAL_WORLD_SIZE={per_node}); launch `torchrun --nnodes "
+            f"{topology.nnodes} --nproc-per-node {topology.nproc_per_node}` on each of the "
+            f"{topology.nnodes} nodes with one rendezvous (entrypoint.sh train does, from NNODES and RDZV_ENDPOINT)"
+        )
+    return layout
 
 
 def describe_rank(layout: RankLayout, rank: int) -> str:
-    """`target 2 (rank 5)`, `drafter 0 (rank 0)` or `colocated 1 (rank 1)` for any rank of the job."""
+    """`target 2 (rank 5)`, `drafter 0 (rank 0)` or `colocated 1 (rank 1)` for any rank of the job; on
+    several nodes also the node (`target 2 (rank 5, node 1)`)."""
+    where = f"rank {rank}" + (f", node {layout.node_of(rank)}" if layout.nnodes > 1 else "")
     if rank in layout.target_ranks:
-        return f"target {layout.target_ranks.index(rank)} (rank {rank})"
+        return f"target {layout.target_ranks.index(rank)} ({where})"
     role = "colocated" if layout.colocated else "drafter"
-    return f"{role} {layout.drafter_ranks.index(rank)} (rank {rank})"
+    return f"{role} {layout.drafter_ranks.index(rank)} ({where})"

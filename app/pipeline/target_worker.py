@@ -72,12 +72,7 @@ class TargetWorker:
         self.log = log
         layout = runtime.layout
         self.index = layout.index
-        self.rounds = RoundPlanner(
-            planner,
-            drafters=layout.num_drafters,
-            grad_accum=config.train.grad_accum,
-            targets=layout.num_targets,
-        )
+        self.rounds = RoundPlanner.for_layout(planner, layout, config.train.grad_accum)
         self.total_steps = self.rounds.total_steps(config.train.epochs)
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
@@ -103,9 +98,11 @@ class TargetWorker:
             for delivery in self.rounds.deliveries(start.cursor, self.config.train.epochs, steps)
             if delivery.target == self.index
         )
+        assert self.rounds.feeding is not None
+        fed = sorted({drafter for target, drafter in self.rounds.feeding.pairs() if target == self.index})
         self.log(
             f"producing for {steps} steps from epoch {start.cursor.epoch} batch {start.cursor.batch} "
-            f"(batches i with i mod {layout.num_targets} = {self.index} of each epoch's plan)"
+            f"on node {layout.node}, for drafter{'s' if len(fed) > 1 else ''} {','.join(map(str, fed))}"
         )
         preparer = threading.Thread(target=self._prepare, args=(mine,), name="dflash-prepare", daemon=True)
         preparer.start()

@@ -7,7 +7,6 @@ Light on purpose: `dflash eval` and target ranks need these without the trainer'
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +68,7 @@ def load_run_data(
     a large dataset takes long) and the node's other ranks then read its cache."""
     if runtime is None:
         return load_training_data(config, tokenizer)
-    node = f"data/node{os.environ.get('GROUP_RANK', '0')}"
+    node = f"data/node{runtime.layout.node}"
     if runtime.layout.local_rank == 0:
         data = load_training_data(config, tokenizer)
         runtime.side.mark_ready(node)

@@ -167,12 +167,7 @@ class Trainer:
             f"; the run's {shapes.describe()}"
         )
         layout = runtime.layout if runtime is not None else None
-        self.rounds = RoundPlanner(
-            self.planner,
-            drafters=layout.num_drafters if layout else 1,
-            grad_accum=config.train.grad_accum,
-            targets=layout.num_targets if layout else 0,
-        )
+        self.rounds = RoundPlanner.for_layout(self.planner, layout, config.train.grad_accum)
         self.total_steps = self.rounds.total_steps(config.train.epochs)
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
@@ -278,6 +273,13 @@ class Trainer:
             + (f"resuming at step {self.step}" if self.resumed else "from step 0")
         )
         self._note(legend(config, self.device, self.peak, colocated=self.target is not None))
+        if self.rounds.feeding is not None:  # split: who feeds whom, and the traffic between nodes
+            itemsize = self.heads.embed_tokens.weight.dtype.itemsize
+            self._note(
+                self.rounds.feeding.describe(
+                    config.data.token_budget, self.drafter.arch.feature_size, itemsize
+                )
+            )
         if train.eval_every and self.target is None:
             self._note(
                 "periodic eval (train.eval_every) needs the target on the drafter rank: skipped in a split "
