@@ -5,7 +5,9 @@ rendezvous on 127.0.0.1, gloo on CPU, with 3 targets + 1 drafter: node 0 runs dr
 node 1 targets 1 and 2, so two of the three targets feed the drafter across the node boundary. The
 run trains bit for bit what the one-process reference trains (the single-node split is proven equal
 to it in tests/test_distributed.py), node 1 is killed whole after step 2 and brings node 0 down
-naming it, and the run resumes on one node of 4 processes to end like the reference.
+naming it, and the run resumes on one node of 4 processes to end like the reference. A second
+two-node job, 2 targets + 2 drafters (one of each per node), has its drafters on both nodes: their
+gradients average across the node boundary, and it trains what the reference trains too.
 """
 
 from __future__ import annotations
@@ -272,3 +274,43 @@ def test_resume_on_one_node_after_the_dead_node_ends_like_the_reference(
     reference_losses = [step["loss"] for step in logged_steps(accumulation_reference)]
     resumed_losses = [step["loss"] for step in logged_steps(run_dir) if step["step"] > resumed_from]
     assert resumed_losses[-(KILL_RUN_STEPS - resumed_from) :] == reference_losses[resumed_from:]
+
+
+@pytest.mark.slow
+def test_drafters_on_both_nodes_average_their_gradients_across_them(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path, accumulation_reference
+) -> None:
+    """2 + 2 on 2 nodes x 2: drafter 0 (node 0) and drafter 1 (node 1) each train one batch a step
+    from their own node's target, DDP all-reduces across the nodes: the weights and losses of the
+    first steps are bit-identical to the one-process run accumulating 2 batches a step (the same
+    schedule: the job is stopped once they are written)."""
+    steps = 3
+    run_dir = tmp_path / "run"
+    overrides = [
+        *SMALL, f"data.train_files=['{tiny_conversations}']", f"train.output_dir={run_dir}",
+        f"train.max_steps={KILL_RUN_STEPS}", "train.save_every=1", "train.keep_last=100", *split(2, 2, nodes=2),
+    ]  # fmt: skip
+    port = free_port()
+    rendezvous = {"NNODES": "2", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": run_dir.name}
+    options = torchrun_options(load_config(CONFIG, overrides).topology, rendezvous)
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
+    nodes = [agent(options, overrides, logs[0])]
+    wait_until_reachable(Endpoint("127.0.0.1", port, "test"), wait_s=120)
+    nodes.append(agent(options, overrides, logs[1]))
+    deadline = time.monotonic() + 300
+    while len(logged_steps(run_dir)) < steps or not (checkpoint_root(run_dir) / f"step_{steps:08d}").is_dir():
+        assert all(node.poll() is None for node in nodes), logs[0].read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no step {steps} within 300 s"
+        time.sleep(0.05)
+    for node in nodes:
+        kill_node(node)
+    assert "0 of 2 pairs cross nodes" in logs[0].read_text()  # each node feeds its own drafter
+    reference = logged_steps(accumulation_reference)
+    assert [s["loss"] for s in logged_steps(run_dir)[:steps]] == [s["loss"] for s in reference[:steps]]
+    for step in range(1, steps + 1):
+        name = f"step_{step:08d}"
+        mine = load_file(checkpoint_root(run_dir) / name / "model.safetensors")
+        for key, weight in load_file(
+            accumulation_reference / "checkpoints" / name / "model.safetensors"
+        ).items():
+            assert torch.equal(mine[key], weight), (name, key)
