@@ -100,3 +100,16 @@ def one_thread(function):
         return function()
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_resumed_like_the_reference(run_dir: Path, resumed_from: int, reference: Path) -> None:
+    """A run resumed at `resumed_from` ends with the reference's final weights and its losses after it."""
+    from safetensors.torch import load_file
+
+    final = f"checkpoints/step_{KILL_RUN_STEPS:08d}"
+    resumed_weights = load_file(run_dir / final / "model.safetensors")
+    for name, weight in load_file(reference / final / "model.safetensors").items():
+        assert torch.equal(resumed_weights[name], weight), name
+    reference_losses = [step["loss"] for step in logged_steps(reference)]
+    resumed_losses = [step["loss"] for step in logged_steps(run_dir) if step["step"] > resumed_from]
+    assert resumed_losses[-(KILL_RUN_STEPS - resumed_from) :] == reference_losses[resumed_from:]

@@ -36,7 +36,17 @@ from app.pipeline.sidechannel import SideChannel, Watchdog
 from app.pipeline.transport import decode_meta, encode_meta, sample_digest
 from app.train.trainer import Trainer
 from tests.helpers import SMALL
-from tests.jobs import CONFIG, KILL_RUN_STEPS, finish, logged_steps, one_thread, split, torchrun, worker_pid
+from tests.jobs import (
+    CONFIG,
+    KILL_RUN_STEPS,
+    assert_resumed_like_the_reference,
+    finish,
+    logged_steps,
+    one_thread,
+    split,
+    torchrun,
+    worker_pid,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -294,13 +304,7 @@ def test_resume_after_the_killed_run_on_another_topology_ends_like_the_reference
     log = run_dir.parent / f"{run_dir.name}-resume.log"
     output = finish(torchrun(2, overrides, log, "--resume"), log)
     assert f"resumed from {checkpoint_root(run_dir) / f'step_{resumed_from:08d}'}" in output, output[-3000:]
-    final = f"checkpoints/step_{KILL_RUN_STEPS:08d}"
-    resumed_weights = load_file(run_dir / final / "model.safetensors")
-    for name, weight in load_file(accumulation_reference / final / "model.safetensors").items():
-        assert torch.equal(resumed_weights[name], weight), name
-    reference_losses = [step["loss"] for step in logged_steps(accumulation_reference)]
-    resumed_losses = [step["loss"] for step in logged_steps(run_dir) if step["step"] > resumed_from]
-    assert resumed_losses[-(KILL_RUN_STEPS - resumed_from) :] == reference_losses[resumed_from:]
+    assert_resumed_like_the_reference(run_dir, resumed_from, accumulation_reference)
 
 
 @pytest.mark.slow

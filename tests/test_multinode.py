@@ -37,6 +37,7 @@ from tests.jobs import (
     KILL_RUN_STEPS,
     ROOT,
     agent,
+    assert_resumed_like_the_reference,
     finish,
     kill_node,
     logged_steps,
@@ -267,13 +268,7 @@ def test_resume_on_one_node_after_the_dead_node_ends_like_the_reference(
         "node 0 = drafters 0 + targets 0,1,2; feeding t0->d0 t1->d0 t2->d0; 0 of 3 pairs cross nodes"
         in output
     )
-    final = f"checkpoints/step_{KILL_RUN_STEPS:08d}"
-    resumed_weights = load_file(run_dir / final / "model.safetensors")
-    for name, weight in load_file(accumulation_reference / final / "model.safetensors").items():
-        assert torch.equal(resumed_weights[name], weight), name
-    reference_losses = [step["loss"] for step in logged_steps(accumulation_reference)]
-    resumed_losses = [step["loss"] for step in logged_steps(run_dir) if step["step"] > resumed_from]
-    assert resumed_losses[-(KILL_RUN_STEPS - resumed_from) :] == reference_losses[resumed_from:]
+    assert_resumed_like_the_reference(run_dir, resumed_from, accumulation_reference)
 
 
 @pytest.mark.slow
