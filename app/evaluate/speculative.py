@@ -82,11 +82,9 @@ class EvalResult:
     @property
     def histogram(self) -> list[int]:
         """`histogram[k - 1]` = number of rounds that emitted k tokens, for k = 1 .. block_size."""
-        counts = [0] * self.block_size
-        for result in self.per_prompt:
-            for length in result.acceptance_lengths:
-                counts[length - 1] += 1
-        return counts
+        return acceptance_histogram(
+            [result.acceptance_lengths for result in self.per_prompt], self.block_size
+        )
 
     @property
     def tokens_per_target_forward(self) -> float:
@@ -139,6 +137,15 @@ class EvalResult:
                 line += f", tree tau (budget {tree.budget}) {_mean(tree.acceptance_lengths[index]):.3f}"
             lines.append(line)
         return lines
+
+
+def acceptance_histogram(per_prompt: Sequence[Sequence[int]], block_size: int) -> list[int]:
+    """`[k - 1]`: rounds that emitted k tokens (k = 1 .. block_size), over every prompt's rounds."""
+    counts = [0] * block_size
+    for lengths in per_prompt:
+        for length in lengths:
+            counts[length - 1] += 1
+    return counts
 
 
 def _mean(lengths: list[int]) -> float:

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import torch
 
 from app.errors import UserError
-from app.evaluate.speculative import EvalResult, cut_round, drafter_autocast, tapped_features
+from app.evaluate.speculative import (
+    EvalResult,
+    acceptance_histogram,
+    cut_round,
+    drafter_autocast,
+    tapped_features,
+)
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel
 from app.model.tree import DraftTree, build_tree
@@ -45,11 +51,7 @@ class TreeResult:
 
     @property
     def histogram(self) -> list[int]:
-        counts = [0] * self.block_size
-        for lengths in self.acceptance_lengths:
-            for length in lengths:
-                counts[length - 1] += 1
-        return counts
+        return acceptance_histogram(self.acceptance_lengths, self.block_size)
 
 
 def evaluate_trees(
