@@ -15,11 +15,14 @@ import pytest
 from harness import (
     BUILD_STAGE_IMAGE,
     CPU_IMAGE,
+    GPU_IMAGE,
     HERE,
     ROOT,
     SERVER_IMAGE,
     build,
     cpu_build_args,
+    gpu_build_args,
+    stand_in_cache_entry,
 )
 
 measurements: dict[str, str] = {}
@@ -47,6 +50,18 @@ def cpu_image(docker_client: docker.DockerClient) -> str:
     measurements[f"{CPU_IMAGE} build"] = f"{seconds:.0f} s (BuildKit cache as left by earlier builds)"
     measurements[f"{CPU_IMAGE} size"] = f"{size / 1e9:.2f} GB"
     return CPU_IMAGE
+
+
+@pytest.fixture(scope="session")
+def gpu_image(docker_client: docker.DockerClient) -> tuple[str, str]:
+    """The GPU variant (FAST_KERNELS=1: causal-conv1d compiled by nvcc, flash-linear-attention), built
+    with a stand-in compile-cache entry in compile_cache/; returns the image and that entry's key."""
+    with stand_in_cache_entry() as key:
+        seconds = build(GPU_IMAGE, dockerfile=ROOT / "Dockerfile", context=ROOT, build_args=gpu_build_args())
+    size = docker_client.images.get(GPU_IMAGE).attrs["Size"]
+    measurements[f"{GPU_IMAGE} build"] = f"{seconds:.0f} s (BuildKit cache as left by earlier builds)"
+    measurements[f"{GPU_IMAGE} size"] = f"{size / 1e9:.2f} GB"
+    return GPU_IMAGE, key
 
 
 @pytest.fixture(scope="session")

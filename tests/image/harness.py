@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,13 @@ BASE_IMAGE = os.environ.get("DFLASH_BASE_IMAGE", "local/bookworm-python:base")
 CPU_IMAGE = "dflash:cpu"
 BUILD_STAGE_IMAGE = "dflash:cpu-build"
 SERVER_IMAGE = "dflash:cpu-server"
+# The GPU variant's bases: the Dockerfile's defaults unless the engine has other CUDA 12.8 bases to hand.
+GPU_BASE_IMAGE = os.environ.get("DFLASH_GPU_BASE_IMAGE", "nvidia/cuda:12.8.1-devel-ubuntu24.04")
+GPU_RUNTIME_IMAGE = os.environ.get("DFLASH_GPU_RUNTIME_IMAGE", "nvidia/cuda:12.8.1-runtime-ubuntu24.04")
+GPU_IMAGE = "dflash:gpu"
+# What the Dockerfile compiles causal-conv1d for (its TORCH_CUDA_ARCH_LIST default) unless overridden here.
+GPU_ARCH_LIST = os.environ.get("DFLASH_TORCH_CUDA_ARCH_LIST", "8.0 9.0 10.0 12.0")
+STAND_IN_CACHE_KEY = "stand-in-h200-sm90-0000000000000000"
 BUILD_TIMEOUT_S = 3600
 
 
@@ -105,6 +115,39 @@ def cpu_build_args() -> dict[str, str]:
         "REVISION": git_revision(),
         "LOCK_SHA256": lock_sha256(),
     }
+
+
+def gpu_build_args() -> dict[str, str]:
+    return {
+        "BASE_IMAGE": GPU_BASE_IMAGE,
+        "RUNTIME_IMAGE": GPU_RUNTIME_IMAGE,
+        "FAST_KERNELS": "1",
+        "TORCH_CUDA_ARCH_LIST": GPU_ARCH_LIST,
+        "MAX_JOBS": os.environ.get("DFLASH_MAX_JOBS", "4"),
+        "REVISION": git_revision(),
+        "LOCK_SHA256": lock_sha256(),
+    }
+
+
+@contextmanager
+def stand_in_cache_entry() -> Iterator[str]:
+    """A compile-cache entry (a manifest only, no artifacts) in compile_cache/ while an image is built,
+    as `dflash build-cache` leaves one before `docker compose build` bakes it; yields its key."""
+    entry = ROOT / "compile_cache" / STAND_IN_CACHE_KEY
+    entry.mkdir()
+    try:
+        manifest = {
+            "schema": 1,
+            "key": STAND_IN_CACHE_KEY,
+            "created_at": "stand-in",
+            "fields": {"machine.gpu": "NVIDIA H200", "machine.capability": "9.0"},
+            "artifacts": {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()},
+        }
+        (entry / "manifest.json").write_text(json.dumps(manifest))
+        yield STAND_IN_CACHE_KEY
+    finally:
+        (entry / "manifest.json").unlink(missing_ok=True)
+        entry.rmdir()
 
 
 def run_container(
