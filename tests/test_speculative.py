@@ -413,7 +413,7 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
             env={**os.environ, "OMP_NUM_THREADS": "1"},  # see `single_thread`
         )
 
-    done = run("--tree-budget", "4,16", "--tree-top-k", "3", "--per-prompt")
+    done = run("--tree-budget", "4,16", "--tree-top-k", "3", "--per-prompt", "--check-lossless")
     assert done.returncode == 0, done.stderr
     assert "eval: step 3" in done.stdout and "2 prompts" in done.stdout
     assert "tau (mean acceptance length, max 4):" in done.stdout
@@ -425,6 +425,11 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
         r"prompt 1: \d+ tokens, chain tau \d\.\d{3}, tree tau \(budget 4\) \d\.\d{3}, tree tau \(budget 16\)",
         done.stdout,
     )
+
+    assert (
+        "lossless: the chain's output equals the target's greedy decode on 2/2 prompts; the real "
+        "tree-verification forward (budget 4) equals it and tree tau's acceptance on 2/2"
+    ) in done.stdout
 
     bad = run("--tree-budget", "4,lots")
     assert bad.returncode == 2 and bad.stderr.strip() == (

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from app.errors import UserError
-from app.evaluate.speculative import speculative_generate
-from app.evaluate.tree import tree_decode, verified_tree_decode
+from app.evaluate.lossless import check_lossless
+from app.evaluate.speculative import evaluate_tau, speculative_generate
+from app.evaluate.tree import evaluate_trees, tree_decode, verified_tree_decode
 from app.model.drafter import DFlashDrafter
 from app.model.tree import build_tree
 from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
@@ -146,3 +147,20 @@ def test_tree_acceptance_from_the_greedy_decode_equals_a_real_tree_verification_
     chain = speculative_generate(target, drafter, PROMPT, NEW_TOKENS).acceptance_lengths
     assert sum(simulated) == sum(chain) and len(simulated) < len(chain)  # fewer rounds, same tokens
     assert sum(simulated) / len(simulated) > sum(chain) / len(chain) and not math.isnan(sum(simulated))
+
+
+def test_the_lossless_check_compares_chain_and_real_tree_with_the_greedy_decode(scripted):
+    target, drafter, _ = scripted
+    result = evaluate_tau(target, drafter, [PROMPT], NEW_TOKENS)
+    result.trees = evaluate_trees(target, drafter, [PROMPT], result, [32], top_k=3)
+    check = check_lossless(target, drafter, [PROMPT], result, NEW_TOKENS, [])
+    assert check.ok and (check.chain_equal, check.tree_equal, check.tree_budget) == (1, 1, 32)
+
+    result.per_prompt[0].tokens[5] += 1  # a chain that emitted another token
+    result.trees[0].acceptance_lengths[0][0] += 1  # tree tau computed from other rounds
+    broken = check_lossless(target, drafter, [PROMPT], result, NEW_TOKENS, [])
+    assert not broken.ok and (broken.chain_equal, broken.tree_equal) == (0, 0)
+    assert broken.first_mismatch == [
+        "prompt 0: chain output differs from the greedy decode",
+        "prompt 0: tree verification differs",
+    ]

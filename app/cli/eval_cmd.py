@@ -47,11 +47,20 @@ def evaluate(
             help="Tokens per depth the tree chooses among (default: train.eval_tree_top_k).",
         ),
     ] = None,
+    lossless: Annotated[
+        bool,
+        typer.Option(
+            "--check-lossless",
+            help="Also decode each prompt plainly with the target and check the chain (and, on an "
+            "attention-only target, a real tree-verification forward) emitted exactly that; exit 1 if not.",
+        ),
+    ] = False,
     per_prompt: Annotated[
         bool, typer.Option("--per-prompt", help="Also print each prompt's chain and tree tau.")
     ] = False,
 ) -> None:
-    """Speculative-decode held-out prompts with the target and the drafter; print tau and the histogram."""
+    """Speculative-decode held-out prompts with the target and the drafter; print chain and tree tau
+    and their histograms (exit 1 when --check-lossless finds a decode other than the target's)."""
     from app.evaluate.trained import evaluate_trained  # heavy imports only for this command
 
     budgets = _budgets(tree_budget)
@@ -62,9 +71,12 @@ def evaluate(
         data=data,
         tree_budgets=budgets,
         tree_top_k=tree_top_k,
+        check_lossless=lossless,
     )
     for line in evaluation.describe() + (evaluation.result.describe_prompts() if per_prompt else []):
         print(line, flush=True)
+    if evaluation.lossless is not None and not evaluation.lossless.ok:
+        raise typer.Exit(1)
 
 
 def _budgets(text: str | None) -> list[int] | None:

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from app.config import RunConfig
 from app.errors import UserError
+from app.evaluate.lossless import LosslessCheck, check_lossless
 from app.evaluate.speculative import EvalResult, evaluate_tau
 from app.evaluate.tree import evaluate_trees
 from app.model.drafter import DFlashDrafter
@@ -71,6 +72,23 @@ class Evaluator:
                 self.autocast_dtype,
             )
             return result
+        finally:
+            drafter.train(was_training)
+
+    def check_lossless(self, drafter: DFlashDrafter, result: EvalResult) -> LosslessCheck:
+        """`result` (this evaluator's decodes with `drafter`) against the target's plain greedy decode."""
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            return check_lossless(
+                self.target,
+                drafter,
+                self.prompts,
+                result,
+                self.max_new_tokens,
+                self.stop_token_ids,
+                self.autocast_dtype,
+            )
         finally:
             drafter.train(was_training)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from app.data.dataset import load_tokenized, load_training_data
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
+from app.evaluate.lossless import LosslessCheck
 from app.evaluate.prompts import prompts_from_dataset, prompts_from_file
 from app.evaluate.speculative import EvalResult
 from app.export import load_trained_drafter
@@ -29,6 +30,8 @@ class TrainedEvaluation:
     checkpoint: Path
     device: str
     result: EvalResult
+    lossless: LosslessCheck | None = None
+    """With `check_lossless`: the decodes against the target's plain greedy decode."""
 
     @property
     def tau(self) -> float:
@@ -36,7 +39,7 @@ class TrainedEvaluation:
 
     def describe(self) -> list[str]:
         header = f"eval: step {self.step} ({self.checkpoint}) on {self.device}, {len(self.result.per_prompt)} prompts"
-        return [header, *self.result.describe()]
+        return [header, *self.result.describe(), *([self.lossless.describe()] if self.lossless else [])]
 
 
 def evaluate_trained(
@@ -47,11 +50,13 @@ def evaluate_trained(
     data: str | Path | None = None,
     tree_budgets: Sequence[int] | None = None,
     tree_top_k: int | None = None,
+    check_lossless: bool = False,
 ) -> TrainedEvaluation:
     """Speculative-decode `prompts` prompts (default `train.eval_prompts`) of up to `max_new_tokens`
     tokens (default `train.eval_max_new_tokens`) with the run's target and `source`'s drafter; tree
     tau at each of `tree_budgets` with `tree_top_k` tokens per depth (defaults: the run's
-    `train.eval_tree_budget` and `train.eval_tree_top_k`)."""
+    `train.eval_tree_budget` and `train.eval_tree_top_k`); `check_lossless` also compares the decodes
+    with the target's plain greedy decode (`app.evaluate.lossless`)."""
     trained = load_trained_drafter(source)
     config = trained.config
     count = prompts or config.train.eval_prompts
@@ -70,5 +75,7 @@ def evaluate_trained(
     device = pick_device(config.train.device)
     target = load_target(config, device)
     evaluator = Evaluator(config, target, tokenizer, prompt_ids, max_new_tokens, tree_budgets, tree_top_k)
-    result = evaluator(trained.build(target, device))
-    return TrainedEvaluation(trained.step, trained.checkpoint, str(device), result)
+    drafter = trained.build(target, device)
+    result = evaluator(drafter)
+    lossless = evaluator.check_lossless(drafter, result) if check_lossless else None
+    return TrainedEvaluation(trained.step, trained.checkpoint, str(device), result, lossless)

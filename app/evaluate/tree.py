@@ -142,6 +142,7 @@ def verified_tree_decode(
     stop_ids: frozenset[int],
     budget: int,
     top_k: int,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[list[int], list[int]]:
     """The real thing on an attention-only target: each round one target forward over the accepted
     sequence plus the tree under its ancestor mask. Returns the generated tokens and each round's
@@ -152,12 +153,14 @@ def verified_tree_decode(
     accepted = torch.tensor(list(prompt), dtype=torch.long, device=device)
     logits, features = _masked_forward(target, accepted, None)
     context = drafter.new_cache()
-    drafter.extend_context(features, torch.arange(len(prompt), device=device), context)
+    with drafter_autocast(drafter, autocast_dtype):
+        drafter.extend_context(features, torch.arange(len(prompt), device=device), context)
     tokens, lengths = [int(logits[-1].argmax())], []
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         position = len(accepted)  # the root: the last emitted token
         root = torch.tensor([tokens[-1]], device=device)
-        logits = drafter.draft_logits(context, root[0], position, target.embed_tokens, target.lm_head)
+        with drafter_autocast(drafter, autocast_dtype):
+            logits = drafter.draft_logits(context, root[0], position, target.embed_tokens, target.lm_head)
         tree = build_tree(logits, budget, top_k)
         block = torch.cat([root, torch.tensor(tree.tokens, dtype=torch.long, device=device)])
         logits, features = _masked_forward(target, accepted, tree, block)
@@ -166,7 +169,10 @@ def verified_tree_decode(
         emitted = [tree.tokens[node] for node in path] + [predicted[path[-1] + 1 if path else 0]]
         emitted = cut_round(emitted, max_new_tokens - len(tokens), stop_ids)
         kept = torch.tensor([0, *[node + 1 for node in path]][: len(emitted)], device=device)
-        drafter.extend_context(features[kept], position + torch.arange(len(emitted), device=device), context)
+        with drafter_autocast(drafter, autocast_dtype):
+            drafter.extend_context(
+                features[kept], position + torch.arange(len(emitted), device=device), context
+            )
         accepted = torch.cat([accepted, block[kept]])
         tokens += emitted
         lengths.append(len(emitted))
