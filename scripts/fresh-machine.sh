@@ -61,7 +61,11 @@ run_commands() {
 
 if [[ "$mode" == host ]]; then
     mkdir -p "$HOME/.cache/uv"
-    host_env=(env -i "HOME=$work/home" "PATH=/usr/sbin:/usr/bin:/sbin:/bin" "UV_CACHE_DIR=$HOME/.cache/uv" CI=true)
+    # An empty home outside /tmp, as a real machine's is: the compile cache refuses kernel dirs under
+    # /tmp (cleanups delete them), so a home there fails checks that a fresh machine passes.
+    home=$(mktemp -d "$HOME/.cache/dflash-fresh-home.XXXXXX")
+    trap 'rm -rf "$work" "$home"' EXIT
+    host_env=(env -i "HOME=$home" "PATH=/usr/sbin:/usr/bin:/sbin:/bin" "UV_CACHE_DIR=$HOME/.cache/uv" CI=true)
     [[ -n "$ca" ]] && host_env+=("SSL_CERT_FILE=$ca" "PIP_CERT=$ca")
     run_commands "$work/clone" "${host_env[@]}" sh -c
     exit $?
