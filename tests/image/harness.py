@@ -178,3 +178,17 @@ def writable_by_container(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     path.chmod(0o777)
     return path
+
+
+def locked_stack_fingerprint(client: docker.DockerClient, image: str) -> dict:
+    """`dflash doctor --json` in `image`, checked to report the locked stack (the lock's hash, every
+    package checked, nothing stray, mismatched or duplicated, torch 2.10.0): its fingerprint."""
+    done = run_container(client, image, ["doctor", "--json"])
+    assert done.exit_code == 0, done.stderr
+    fingerprint = json.loads(done.stdout)
+    assert fingerprint["lock"]["sha256"] == lock_sha256()
+    packages = fingerprint["packages"]
+    assert packages["checked"], packages
+    assert (packages["stray"], packages["mismatched"], packages["duplicates"]) == ([], [], [])
+    assert fingerprint["torch"]["version"].startswith("2.10.0")
+    return fingerprint

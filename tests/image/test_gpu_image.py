@@ -12,7 +12,7 @@ import re
 
 import docker
 import pytest
-from harness import GPU_ARCH_LIST, git_revision, lock_sha256, run_container
+from harness import GPU_ARCH_LIST, git_revision, lock_sha256, locked_stack_fingerprint, run_container
 
 pytestmark = [pytest.mark.image, pytest.mark.gpu_image, pytest.mark.timeout(7200)]
 
@@ -42,14 +42,7 @@ def test_gpu_image_is_the_locked_stack_with_both_fast_kernels(
     whoami = run_container(docker_client, image, ["shell", "id", "-u"])
     assert (whoami.exit_code, whoami.stdout.strip()) == (0, "1000")
 
-    done = run_container(docker_client, image, ["doctor", "--json"])
-    assert done.exit_code == 0, done.stderr
-    fingerprint = json.loads(done.stdout)
-    assert fingerprint["lock"]["sha256"] == lock_sha256()
-    packages = fingerprint["packages"]
-    assert packages["checked"], packages
-    assert (packages["stray"], packages["mismatched"], packages["duplicates"]) == ([], [], [])
-    assert fingerprint["torch"]["version"].startswith("2.10.0")
+    fingerprint = locked_stack_fingerprint(docker_client, image)
     kernels = fingerprint["fast_kernels"]
     assert kernels["fla"] == {"present": True, "version": "0.6.0", "error": None}
     assert kernels["causal_conv1d"] == {"present": True, "version": "1.7.0", "error": None}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import docker
 import pytest
-from harness import git_revision, lock_sha256, run_container, writable_by_container
+from harness import git_revision, lock_sha256, locked_stack_fingerprint, run_container, writable_by_container
 
 pytestmark = pytest.mark.image
 
@@ -24,14 +24,7 @@ def test_image_is_the_locked_stack_run_by_a_non_root_user(docker_client: docker.
     assert env["HOME"] == "/home/dflash" and env["USER"] == "dflash"
     assert env["PATH"].startswith("/app/.venv/bin:")
 
-    done = run_container(docker_client, cpu_image, ["doctor", "--json"])
-    assert done.exit_code == 0, done.stderr
-    fingerprint = json.loads(done.stdout)
-    assert fingerprint["lock"]["sha256"] == lock_sha256()
-    packages = fingerprint["packages"]
-    assert packages["checked"], packages
-    assert (packages["stray"], packages["mismatched"], packages["duplicates"]) == ([], [], [])
-    assert fingerprint["torch"]["version"].startswith("2.10.0")
+    fingerprint = locked_stack_fingerprint(docker_client, cpu_image)
     cache = fingerprint["compile_cache"]
     assert cache["inductor_dir"] == "/home/dflash/.cache/dflash/inductor"
     assert cache["triton_dir"] == "/home/dflash/.cache/dflash/triton"
