@@ -257,11 +257,9 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------------
 
-    def run(self) -> TrainResult:
+    def _announce_start(self) -> None:
+        """The run's first lines: what trains where and how long, the log line's legend, who feeds whom."""
         config, train = self.config, self.config.train
-        if self.is_logger:
-            self._write_run_files()
-        source = self._feature_source()
         epochs = (
             f"{train.epochs} epochs of {self.planner.total_batches(1)} batches, {self.rounds.size} per step"
         )
@@ -274,17 +272,20 @@ class Trainer:
         )
         self._note(legend(config, self.device, self.peak, colocated=self.target is not None))
         if self.rounds.feeding is not None:  # split: who feeds whom, and the traffic between nodes
-            itemsize = self.heads.embed_tokens.weight.dtype.itemsize
-            self._note(
-                self.rounds.feeding.describe(
-                    config.data.token_budget, self.drafter.arch.feature_size, itemsize
-                )
-            )
+            width, itemsize = self.drafter.arch.feature_size, self.heads.embed_tokens.weight.dtype.itemsize
+            self._note(self.rounds.feeding.describe(config.data.token_budget, width, itemsize))
         if train.eval_every and self.target is None:
             self._note(
                 "periodic eval (train.eval_every) needs the target on the drafter rank: skipped in a split "
                 "topology; measure tau offline with `dflash eval RUN_DIR` on the checkpoints"
             )
+
+    def run(self) -> TrainResult:
+        config, train = self.config, self.config.train
+        if self.is_logger:
+            self._write_run_files()
+        source = self._feature_source()
+        self._announce_start()
         losses: list[float] = []
         evals: list[dict[str, Any]] = []
         window = Window(time.monotonic(), self.step, 0, 0, 0)  # this process's counters start at 0
