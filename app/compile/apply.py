@@ -35,14 +35,16 @@ def compile_drafter(drafter: DFlashDrafter) -> None:
     drafter.kernels = CompiledKernels(flex_attention=compiled_flex_attention(), ce_chunk=compiled_ce_chunk())
 
 
-def compile_target_layers(target: TargetModel) -> None:
+def compile_target_layers(target: TargetModel, shapes: int) -> None:
     """Put every decoder layer the target's features run under torch.compile (its forward only, so
-    the feature taps' hooks stay outside the graph). Identical layers share one graph per layer kind
-    and shape; the recompile limit is raised so a shape set's graphs all fit (the default, 8, would
-    silently run the rest eager)."""
+    the feature taps' hooks stay outside the graph), for `shapes` input shapes. Identical layers share
+    one graph per layer kind and shape, so the recompile limit is raised to hold them all, and hitting
+    it fails rather than silently running the rest eager."""
     require_main_thread("the target's layers")
-    shapes_and_kinds = 2 * 64
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes_and_kinds)
+    kinds = len({getattr(layer, "layer_type", None) for layer in target.layers_run})
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, kinds * shapes)
+    config.fail_on_recompile_limit_hit = True
     for layer in target.layers_run:
         layer.forward = torch.compile(layer.forward, dynamic=False)
 
