@@ -2,6 +2,8 @@
 
 from dataclasses import replace
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -300,8 +302,20 @@ def test_bench_drafter_runs_on_cpu_with_the_tiny_config():
         "% of 790 peak",
         "peak memory",
         "first call",
+        "log step with tree_streak (16 blocks, budget 64, top-8):",
+        "one step in 5 (telemetry.log_every):",  # configs/tiny.toml logs every 5
     ):
         assert field in result.output, field
+    proxy = re.search(r"tree_streak .*: ([\d.]+) ms median, ([+-][\d.]+) ms", result.output)
+    step = re.search(r"step time \(median of 2\): ([\d.]+) ms", result.output)
+    assert float(proxy[1]) - float(step[1]) == pytest.approx(float(proxy[2]), abs=0.02)
+
+    off = CliRunner().invoke(
+        cli,
+        ["bench", "drafter", "configs/tiny.toml", "train.anchors=16", "telemetry.tree_streak_blocks=0",
+         "--steps", "1", "--warmup", "1"],
+    )  # fmt: skip
+    assert off.exit_code == 0 and "tree_streak" not in off.output, off.output
 
 
 def embedded_ids(embed_tokens: nn.Embedding, call) -> list[torch.Tensor]:

@@ -433,7 +433,7 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
 
     bad = run("--tree-budget", "4,lots")
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "dflash: error: --tree-budget: expected node budgets >= 0 separated by commas, got '4,lots'"
+        "dflash: error: --tree-budget: expected integers >= 0 separated by commas, got '4,lots'"
     )
 
 

@@ -1,18 +1,28 @@
 """DDTree: best-first tree construction, tree acceptance from the greedy decode, and the real
 tree-verification forward it must agree with (attention-only tiny Qwen3 target, CPU)."""
 
+import json
 import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from app.errors import UserError
 from app.evaluate.lossless import check_lossless
-from app.evaluate.speculative import evaluate_tau, speculative_generate
-from app.evaluate.tree import evaluate_trees, tree_decode, verified_tree_decode
+from app.evaluate.speculative import CachedTarget, evaluate_tau, speculative_generate
+from app.evaluate.tree import (
+    _masked_forward,
+    evaluate_trees,
+    tree_decode,
+    tree_verification_inputs,
+    verified_tree_decode,
+)
 from app.model.drafter import DFlashDrafter
 from app.model.tree import build_tree
+from tests.helpers import run_dflash
 from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
+from tests.test_target import ARCHITECTURES
 
 PROMPT = [5, 17, 42, 99, 3, 250, 11]
 NEW_TOKENS = 40
@@ -163,4 +173,52 @@ def test_the_lossless_check_compares_chain_and_real_tree_with_the_greedy_decode(
     assert broken.first_mismatch == [
         "prompt 0: chain output differs from the greedy decode",
         "prompt 0: tree verification differs",
+    ]
+
+
+def test_a_tree_verified_on_the_kv_cache_gives_the_logits_and_features_of_the_uncached_forward(scripted):
+    """What `dflash bench tree` times (the verification forward after a KV-cached context) computes
+    what the real tree verification does over the whole sequence."""
+    target, drafter, greedy = scripted
+    accepted = torch.tensor(PROMPT + greedy[:5])
+    context = drafter.new_cache()
+    features = target.features(accepted[None])[0]
+    drafter.extend_context(features, torch.arange(len(accepted)), context)
+    tree = build_tree(drafter.draft_logits(context, greedy[5], len(accepted), None, None), 12, 3)
+    block = torch.tensor([greedy[5], *tree.tokens])
+    logits, block_features = _masked_forward(target, accepted, tree, block)
+
+    session = CachedTarget(target, DynamicCache(config=target.model.config))
+    session.forward(accepted, 1)
+    session.commit(len(accepted))
+    bias, positions = tree_verification_inputs(tree, len(accepted), target.dtype, accepted.device)
+    for _ in range(2):  # the second verification sees the context the first one left
+        cached_logits, cached_features = session.forward(block, len(block), bias, positions)
+        session.commit(0)
+        torch.testing.assert_close(cached_logits, logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(cached_features, block_features, atol=1e-5, rtol=1e-5)
+    assert session.cache.get_seq_length() == len(accepted)
+
+
+def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target(tmp_path):
+    config = tmp_path / "tree.json"
+    config.write_text(json.dumps(random_target_config()))
+    result = run_dflash(
+        "bench", "tree", str(config), "--budgets", "2,16", "--context", "24", "--repeats", "2"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "drafter block forward (draft_logits):" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["2"], ["16"])]
+    # block size 4: 3 depths of top-8, so budget 16 takes 16 of the 8 + 64 + 512 nodes there are
+    assert [(row[0], row[1]) for row in rows] == [("2", "2"), ("16", "16")]
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 and row[4].endswith("%") for row in rows)
+
+    hybrid = tmp_path / "hybrid.json"
+    hybrid.write_text(json.dumps({"target": {"architecture": ARCHITECTURES["qwen3_5_text"]},
+                                  "drafter": {"num_layers": 1, "mask_token_id": 3}}))  # fmt: skip
+    refused = run_dflash("bench", "tree", str(hybrid))
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "dflash: error: bench tree: the target has linear-attention layers, which take no ancestor "
+        "mask; time tree verification on an attention-only target"
     ]

@@ -4,12 +4,14 @@ Only the drafter and random-weight stand-ins of the target's embedding and LM he
 step's cost does not depend on weight values); rows are synthetic but laid out like real ones
 (documents packed into `token_budget`, anchors sampled among supervised positions). Reports the
 median step time, query/context tokens per second, useful FLOPs term by term, the fraction of a
-given peak, peak memory, the first call's (compile) time, and on CUDA whether the step synchronises
-with the host or recompiles after warm-up (both would mean a degraded run).
+given peak, peak memory, the first call's (compile) time, on CUDA whether the step synchronises
+with the host or recompiles after warm-up (both would mean a degraded run), and what a log step's
+tree-streak proxy (`telemetry.tree_streak_blocks`) adds to the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import sys
@@ -26,6 +28,7 @@ from app.config import RunConfig
 from app.data.batch import FeatureBatch
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.flops import forward_flops, multiplier, step_flops
+from app.model.objective import TreeSample
 from app.model.target import target_dtype
 from app.train.step import BorrowedHeads, DrafterStep
 
@@ -50,6 +53,11 @@ class DrafterBenchResult:
     """Where one step synchronised with the host (CUDA only; None elsewhere). Should be empty."""
     real_context_tokens: int
     query_tokens: int
+    tree_sample: TreeSample | None = None
+    """The log steps' tree-streak proxy; None when the config turns it off."""
+    tree_step_ms: list[float] | None = None
+    """Milliseconds of the same steps with the proxy measured, as on a log step."""
+    log_every: int = 1
 
     @property
     def median_ms(self) -> float:
@@ -83,12 +91,20 @@ def run_drafter_bench(
     # BENCHMARKS.md were measured on (the useful FLOPs depend on a row's layout)
     batches = synthetic_batches(config, drafter, device, ROWS, seed=config.train.seed)
 
-    def step(batch: FeatureBatch) -> None:
+    def step(batch: FeatureBatch, tree_sample: TreeSample | None = None) -> None:
         """Forward, loss and backward; no optimizer step (what peers' step benchmarks time too)."""
-        drafter_step.backward(batch)
+        drafter_step.backward(batch, tree_sample=tree_sample)
         drafter.zero_grad(set_to_none=True)
 
     first_call_s, step_ms, host_syncs = _time_steps(step, batches, warmup, steps, device)
+    tree_sample = TreeSample.from_config(config.train, config.telemetry.tree_streak_blocks)
+    tree_step_ms = None
+    if tree_sample is not None:
+        with _no_recompiles(device):
+            tree_step_ms = [
+                _timed(lambda batch: step(batch, tree_sample), batches[index % len(batches)], device)
+                for index in range(steps)
+            ]
     peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     row = batches[0].row.to("cpu")
     terms = {name: float(value) for name, value in forward_flops(arch, row).items()}
@@ -112,6 +128,9 @@ def run_drafter_bench(
         host_syncs=host_syncs,
         real_context_tokens=int((row.document_ids >= 0).sum()),
         query_tokens=config.train.anchors * arch.block_size,
+        tree_sample=tree_sample,
+        tree_step_ms=tree_step_ms,
+        log_every=config.telemetry.log_every,
     )
 
 
@@ -138,10 +157,25 @@ def format_report(result: DrafterBenchResult) -> str:
         f"peak memory: {result.peak_memory_bytes / 2**30:.2f} GiB"
         + (" (max allocated)" if result.host_syncs is not None else " (process peak RSS)"),
     ]
+    if result.tree_step_ms is not None:
+        lines.append(_tree_proxy_line(result))
     if result.host_syncs is not None:
         where = f" at {', '.join(result.host_syncs)}" if result.host_syncs else ""
         lines.append(f"host syncs per step: {len(result.host_syncs)}{where}")
     return "\n".join(lines)
+
+
+def _tree_proxy_line(result: DrafterBenchResult) -> str:
+    """What the tree-streak proxy adds to a log step, and to the run's mean step (one log step in
+    `log_every`)."""
+    sample = result.tree_sample
+    extra_ms = statistics.median(result.tree_step_ms) - result.median_ms
+    share = 100 * extra_ms / result.median_ms
+    return (
+        f"log step with tree_streak ({sample.blocks} blocks, budget {sample.budget}, top-{sample.top_k}): "
+        f"{statistics.median(result.tree_step_ms):.2f} ms median, {extra_ms:+.2f} ms ({share:+.1f}%); "
+        f"one step in {result.log_every} (telemetry.log_every): {share / result.log_every:+.2f}% of the step time"
+    )
 
 
 def _frozen_head_stand_ins(
@@ -178,13 +212,22 @@ def _time_steps(
     host_syncs = _host_syncs(step, batches[1]) if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-        torch.compiler.set_stance("fail_on_recompile")  # a recompile here is a bug: say so, don't time it
-    try:
+    with _no_recompiles(device):
         step_ms = [_timed(step, batches[index % len(batches)], device) for index in range(steps)]
-    finally:
-        if cuda:
-            torch.compiler.set_stance("default")
     return first_call_s, step_ms, host_syncs
+
+
+@contextlib.contextmanager
+def _no_recompiles(device: torch.device):
+    """On CUDA a recompile inside is a bug: it raises instead of being timed."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.compiler.set_stance("fail_on_recompile")
+    try:
+        yield
+    finally:
+        torch.compiler.set_stance("default")
 
 
 def _timed(step, batch: FeatureBatch, device: torch.device) -> float:

@@ -1,4 +1,4 @@
-"""`dflash bench drafter|target|pipeline|checkpoint|data|windows`: benchmarks at a run config's exact shapes, their
+"""`dflash bench drafter|target|tree|pipeline|checkpoint|data|windows`: benchmarks at a run config's exact shapes, their
 data, and a finished run judged per log window."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import Overrides
+from app.cli.arguments import Overrides, int_list
 from app.config import load_config
 
 group = typer.Typer(help="Benchmarks at a config's exact shapes.", no_args_is_help=True)
@@ -65,6 +65,26 @@ def target(
         log=lambda line: print(line, flush=True),
     )
     print(format_report(result))
+
+
+@group.command("tree")
+def tree(
+    config: Annotated[
+        str, typer.Argument(help="Config file (.toml or .yaml); its target must be attention-only.")
+    ],
+    overrides: Overrides = None,
+    budgets: Annotated[
+        str, typer.Option("--budgets", help="Comma-separated tree budgets (nodes).")
+    ] = "16,64,256",
+    top_k: Annotated[int, typer.Option("--top-k", min=1, help="Tokens per depth the tree grows from.")] = 8,
+    context: Annotated[int, typer.Option("--context", min=1, help="Tokens in the target's KV cache.")] = 2048,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls per part (median).")] = 20,
+) -> None:
+    """Time a DDTree round's parts: the drafter's block, the tree's construction per budget, its verification forward."""
+    from app.bench.tree import format_report, run_tree_bench
+
+    resolved = load_config(config, overrides or [])
+    print(format_report(run_tree_bench(resolved, int_list(budgets, "--budgets", 1), top_k, context, repeats)))
 
 
 @group.command("pipeline")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from app.errors import UserError
+from app.cli.arguments import int_list
 
 
 def evaluate(
@@ -83,10 +83,4 @@ def _budgets(text: str | None) -> list[int] | None:
     """`--tree-budget 16,64,256` -> [16, 64, 256]; `0` -> [] (the chain only); None: the config's."""
     if text is None:
         return None
-    try:
-        budgets = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        budgets = []
-    if not budgets or any(budget < 0 for budget in budgets):
-        raise UserError(f"--tree-budget: expected node budgets >= 0 separated by commas, got {text!r}")
-    return [budget for budget in budgets if budget > 0]
+    return [budget for budget in int_list(text, "--tree-budget", 0) if budget > 0]

@@ -248,7 +248,7 @@ def cut_round(emitted: list[int], room: int, stop_ids: frozenset[int]) -> list[i
 # ---- the target between rounds ----------------------------------------------------------------------
 
 
-class _CachedTarget:
+class CachedTarget:
     """Pure attention target: one KV cache, cropped back to the accepted tokens after each verify."""
 
     mode: TargetCacheMode = "kv-cache"
@@ -262,10 +262,20 @@ class _CachedTarget:
             "cache" if "cache" in inspect.signature(target.model.forward).parameters else "past_key_values"
         )
 
-    def forward(self, tokens: torch.Tensor, logits_for: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of the last `logits_for` tokens `[logits_for, V]` and features of all `tokens` `[n, K*H]`."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        logits_for: int,
+        bias: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the last `logits_for` tokens `[logits_for, V]` and features of all `tokens` `[n, K*H]`;
+        `bias [n, cached + n]` and `positions [n]` replace the causal mask and the next positions (a
+        tree's verification, `app.evaluate.tree.tree_verification_inputs`)."""
         output = self.target.model(
             input_ids=tokens[None],
+            attention_mask=None if bias is None else bias[None, None],
+            position_ids=None if positions is None else positions[None],
             use_cache=True,
             output_hidden_states=True,
             logits_to_keep=logits_for,
@@ -306,14 +316,14 @@ class _RecomputedTarget:
         self.accepted = torch.cat([self.accepted, self.pending[:kept]])
 
 
-def _open_session(target: TargetModel) -> _CachedTarget | _RecomputedTarget:
+def _open_session(target: TargetModel) -> CachedTarget | _RecomputedTarget:
     """A KV-cached session when every layer's cache is a plain, croppable attention cache."""
     layer_types = getattr(target.text_config, "layer_types", None) or []
     if any(layer_type != "full_attention" for layer_type in layer_types):
         return _RecomputedTarget(target)
     cache = DynamicCache(config=target.model.config)
     if all(type(layer) is DynamicLayer for layer in cache.layers):
-        return _CachedTarget(target, cache)
+        return CachedTarget(target, cache)
     return _RecomputedTarget(target)
 
 

@@ -188,23 +188,31 @@ def _masked_forward(
     if tree is None:
         output = target.model(input_ids=accepted[None], use_cache=False, output_hidden_states=True)
         return output.logits[0], tapped_features(target, output.hidden_states)
-    past, size = len(accepted), len(block)
-    visible = torch.ones(size, past + size, dtype=torch.bool, device=accepted.device)
-    visible[:, past:] = tree.visibility().to(accepted.device)
-    full = torch.ones(past, past, dtype=torch.bool, device=accepted.device).tril()
-    mask = torch.cat(
-        [torch.cat([full, torch.zeros(past, size, dtype=torch.bool, device=accepted.device)], 1), visible]
-    )
-    depths = torch.tensor([0, *tree.depths], device=accepted.device)
-    positions = torch.cat([torch.arange(past, device=accepted.device), past + depths])
-    bias = torch.zeros(mask.shape, dtype=target.dtype, device=accepted.device).masked_fill(
-        ~mask, torch.finfo(target.dtype).min
-    )
+    past, device = len(accepted), accepted.device
+    block_bias, block_positions = tree_verification_inputs(tree, past, target.dtype, device)
+    causal = torch.ones(past, past, dtype=torch.bool, device=device).tril()
+    context_bias = torch.zeros(past, past + len(block), dtype=target.dtype, device=device)
+    context_bias[:, :past].masked_fill_(~causal, torch.finfo(target.dtype).min)
+    context_bias[:, past:] = torch.finfo(target.dtype).min
     output = target.model(
         input_ids=torch.cat([accepted, block])[None],
-        attention_mask=bias[None, None],
-        position_ids=positions[None],
+        attention_mask=torch.cat([context_bias, block_bias])[None, None],
+        position_ids=torch.cat([torch.arange(past, device=device), block_positions])[None],
         use_cache=False,
         output_hidden_states=True,
     )
     return output.logits[0, past:], tapped_features(target, output.hidden_states)[past:]
+
+
+def tree_verification_inputs(
+    tree: DraftTree, past: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification forward's rows for the root and the tree's nodes after `past` accepted
+    tokens: the additive attention bias `[1 + N, past + 1 + N]` (each sees the accepted sequence, the
+    root and its ancestors) and the positions `[1 + N]` (past + depth)."""
+    visible = torch.ones(len(tree.tokens) + 1, past + len(tree.tokens) + 1, dtype=torch.bool, device=device)
+    visible[:, past:] = tree.visibility().to(device)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
+        ~visible, torch.finfo(dtype).min
+    )
+    return bias, past + torch.tensor([0, *tree.depths], device=device)
