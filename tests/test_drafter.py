@@ -1,8 +1,7 @@
 """The DFlash drafter: layout, shapes, validation, mask semantics end to end, inference == training."""
 
-from dataclasses import replace
-
 import re
+from dataclasses import replace
 
 import pytest
 import torch

@@ -6,14 +6,17 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 from app.bench.target import format_report, run_target_bench
 from app.compile.apply import compile_drafter
+from app.compile.artifacts import list_entries
 from app.compile.build import build_cache
 from app.compile.guard import RecompileError
 from app.compile.key import cache_key, machine_fields
@@ -22,8 +25,8 @@ from app.compile.warmup import synthetic_batches
 from app.config import validate_config
 from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
-from app.errors import UserError
 from app.model.attention import UncompiledKernelOnCudaError
+from app.model.causal_conv import CAUSAL_CONV1D, TRITON, triton_causal_conv1d_fn
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.flops import forward_flops, step_flops
 from app.model.objective import chunked_lm_head_ce
@@ -131,7 +134,9 @@ def test_build_cache_then_a_fresh_process_starts_warm(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:
     """`dflash build-cache` bakes what the run's step compiles and its step time; `dflash train` in a
-    fresh process loads it and compiles nothing (every inductor and autograd lookup a hit)."""
+    fresh process loads it and compiles nothing (every inductor and autograd lookup a hit). The
+    build runs in this process after earlier tests compiled drafters of the same shapes: it must
+    still record every artifact (5 inductor misses before build-cache reset the compiled state)."""
     config = random_target_config(
         tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", device="cuda", precision="bf16", max_steps=3,
         **ON_ANY_STACK,
@@ -195,7 +200,7 @@ TINY_HYBRID = {
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
     "linear_value_head_dim": 32, "full_attention_interval": 2, "max_position_embeddings": 4096,
 }  # fmt: skip
-CAUSAL_CONV1D = importlib.util.find_spec("causal_conv1d") is not None
+FLA = importlib.util.find_spec("fla") is not None
 
 
 def hybrid_config(tokenizer_dir: Path, data: Path, run_dir: Path, persistent_tmp: Path, **train):
@@ -205,20 +210,56 @@ def hybrid_config(tokenizer_dir: Path, data: Path, run_dir: Path, persistent_tmp
     )
     config.target.architecture = dict(TINY_HYBRID)
     config.drafter.target_layer_ids = [1, 2]  # a linear-attention and a full-attention layer
-    config.target.allow_slow_kernels = not CAUSAL_CONV1D  # this machine may lack it: say so, degraded
+    config.target.allow_slow_kernels = not FLA  # this machine may lack it: say so, degraded
     config.compile.cache_dir = str(persistent_tmp / "compile_cache")
     config.compile.inductor_dir = str(persistent_tmp / "inductor")
     return config
 
 
-@pytest.mark.skipif(CAUSAL_CONV1D, reason="causal-conv1d is installed here: nothing is missing to refuse")
-def test_a_hybrid_target_without_causal_conv1d_refuses_to_train(
+@pytest.mark.skipif(not FLA, reason="flash-linear-attention is not installed here")
+def test_a_hybrid_target_s_conv_runs_on_a_fast_kernel_equal_to_the_reference() -> None:
+    """Without causal-conv1d, the Gated DeltaNet conv runs on flash-linear-attention's Triton kernel
+    (transformers' reference path never runs on the GPU), and computes what the reference computes."""
+    config = validate_config(
+        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 1, "mask_token_id": 3}}
+    )
+    target = load_target(config, "cuda")
+    expected = CAUSAL_CONV1D if importlib.util.find_spec("causal_conv1d") else TRITON
+    assert target.conv_kernel == expected
+    layer = next(module for module in target.model.modules() if hasattr(module, "conv1d"))
+    modeling = sys.modules[type(layer).__module__]
+    if expected == TRITON:
+        assert modeling.causal_conv1d_fn is triton_causal_conv1d_fn
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    # [B, D, T] as transformers hands it over: a transposed view of a [B, T, D] tensor
+    x = torch.randn(2, 300, 96, device="cuda", dtype=torch.bfloat16, generator=generator).transpose(1, 2)
+    weight = torch.randn(96, 4, device="cuda", dtype=torch.bfloat16, generator=generator)
+    reference = F.silu(F.conv1d(x.float(), weight.float().unsqueeze(1), padding=3, groups=96)[..., :300])
+    fast = triton_causal_conv1d_fn(x, weight, None, activation="silu")
+    assert fast.shape == x.shape
+    torch.testing.assert_close(fast.float(), reference, atol=0.05, rtol=0.02)
+
+
+def test_a_colocated_run_warms_the_target_up_before_its_first_step(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:
-    config = hybrid_config(tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp)
-    config.target.allow_slow_kernels = False
-    with pytest.raises(UserError, match=r"without causal_conv1d \(causal-conv1d: not installed\)"):
-        Trainer(config, log=lambda line: None)
+    """One target forward at the longest shape on the main thread before training starts (in its own
+    process: the library kernels it JIT-compiles must not land in this one's memory, where a later
+    in-process build would find them and bake nothing)."""
+    config = hybrid_config(
+        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp, max_steps=2
+    )
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    done = run_dflash("train", str(config_file), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    rows, length = TargetShapes.from_config(config.data).all[-1]
+    warm = [line for line in lines if line.startswith("target warm-up:")]
+    assert len(warm) == 1 and f"one forward at {rows}x{length}" in warm[0], done.stdout
+    assert lines.index(warm[0]) < next(i for i, line in enumerate(lines) if "drafter parameters on" in line)
+    if FLA and not importlib.util.find_spec("causal_conv1d"):
+        assert warm[0].endswith(f"linear-attention conv on {TRITON})")
 
 
 def test_a_new_target_shape_after_warm_up_is_library_jit(persistent_tmp: Path, monkeypatch) -> None:
@@ -246,28 +287,30 @@ def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothi
 ) -> None:
     """build-cache runs the target at every (rows, length) of the run's shape set and bakes the
     library kernels with the inductor artifacts; training in a fresh process with an empty inductor
-    and Triton dir then meets only baked shapes: no library JIT (abort would fail the run). Earlier
-    tests compiled drafters of the same shapes in this process: the build must still record every
-    artifact (it failed with 5 inductor misses before build-cache reset the compiled state)."""
+    and Triton dir then meets only baked shapes: no library JIT (abort would fail the run)."""
     pytest.importorskip("fla")
     config = hybrid_config(
         tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp, max_steps=12
     )
     config.compile.on_cache_miss = "abort"
     config.telemetry.log_every = 2
-    result = build_cache(config, DrafterStep, log=lambda line: None)
-    shapes = TargetShapes.from_config(config.data)
-    assert result.entry.fields["shape.target_batches"] == [list(shape) for shape in shapes.all]
-    assert result.entry.triton_path is not None
-    shutil.rmtree(persistent_tmp / "inductor")  # a fresh container: only the baked entry
     config_file = tmp_path / "run.yaml"
     config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    # In its own process, as users run it: library kernels an earlier test JIT-compiled in this one
+    # sit in Triton's in-memory cache, and a build here would not write them to the baked dir.
+    built = run_dflash("build-cache", str(config_file), timeout=600)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (entry,), _ = list_entries(Path(config.compile.cache_dir))
+    shapes = TargetShapes.from_config(config.data)
+    assert entry.fields["shape.target_batches"] == [list(shape) for shape in shapes.all]
+    assert entry.triton_path is not None
+    shutil.rmtree(persistent_tmp / "inductor")  # a fresh container: only the baked entry
 
     done = run_dflash("train", str(config_file), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "library JIT:" not in done.stdout + done.stderr
     assert re.search(r"in \d+ target shapes: padding overhead", done.stdout)
-    assert f"compile cache: loaded {result.entry.key}" in done.stdout
+    assert f"compile cache: loaded {entry.key}" in done.stdout
 
 
 def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkeypatch) -> None:

@@ -6,6 +6,7 @@ from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 
 from app.config import validate_config
 from app.errors import UserError
+from app.model.causal_conv import CAUSAL_CONV1D, REFERENCE, TRITON, fast_causal_conv
 from app.model.target import TargetModel, load_target, target_text_config
 from app.train.setup import require_fast_kernels
 
@@ -194,34 +195,49 @@ def test_builtin_tiny_lm_target():
 
 
 def test_a_hybrid_target_on_cuda_without_its_fast_kernels_is_refused():
-    """On CUDA a Gated DeltaNet target without flash-linear-attention or causal-conv1d would train on
-    transformers' reference path (one warning, then minutes per step): refused, naming what is
-    missing and the install; `target.allow_slow_kernels` accepts it as a degradation."""
+    """On CUDA a Gated DeltaNet target without flash-linear-attention would train on transformers'
+    reference path (one warning, then minutes per step): refused, naming what is missing and the
+    install; `target.allow_slow_kernels` accepts it as a degradation. causal-conv1d is optional:
+    without it the conv runs on flash-linear-attention's Triton kernel."""
     hybrid = config_for({"architecture": ARCHITECTURES["qwen3_5"]})
-    fingerprint = {
-        "fast_kernels": {
-            "fla": {"present": True, "error": None},
-            "causal_conv1d": {"present": False, "error": None},
-        }
-    }
     cuda = torch.device("cuda")
+
+    def kernels(fla, causal_conv1d):
+        return {"fast_kernels": {"fla": fla, "causal_conv1d": causal_conv1d}}
+
+    present, absent = {"present": True, "error": None}, {"present": False, "error": None}
+    assert require_fast_kernels(hybrid, cuda, kernels(present, absent)) == []
+    assert require_fast_kernels(hybrid, cuda, kernels(present, present)) == []
+    neither = kernels(absent, absent)
     with pytest.raises(UserError) as refused:
-        require_fast_kernels(hybrid, cuda, fingerprint)
+        require_fast_kernels(hybrid, cuda, neither)
     message = str(refused.value)
-    assert "without causal_conv1d (causal-conv1d: not installed)" in message and "fla (" not in message
+    assert (
+        "without fla (flash-linear-attention: not installed), causal_conv1d (causal-conv1d: not installed)"
+        in message
+    )
     assert "`./uvw sync --group gpu`" in message and message.endswith("set target.allow_slow_kernels=true")
-    broken = {"fast_kernels": {"fla": {"present": False, "error": "ImportError: libcuda.so.1"}}}
-    with pytest.raises(
-        UserError, match=r"without fla \(flash-linear-attention: ImportError: libcuda\.so\.1\)"
-    ):
+    broken = kernels({"present": False, "error": "ImportError: libcuda.so.1"}, present)
+    with pytest.raises(UserError) as refused:
         require_fast_kernels(hybrid, cuda, broken)
+    assert "without fla (flash-linear-attention: ImportError: libcuda.so.1) runs" in str(refused.value)
 
     allowed = hybrid.model_copy(
         update={"target": hybrid.target.model_copy(update={"allow_slow_kernels": True})}
     )
-    (accepted,) = require_fast_kernels(allowed, cuda, fingerprint)
+    (accepted,) = require_fast_kernels(allowed, cuda, neither)
     assert accepted.endswith("(accepted by target.allow_slow_kernels)")
-    assert require_fast_kernels(hybrid, torch.device("cpu"), fingerprint) == []  # the only path on CPU
-    assert require_fast_kernels(hybrid, cuda, fingerprint, runs_target=False) == []  # a split drafter rank
+    assert require_fast_kernels(hybrid, torch.device("cpu"), neither) == []  # the only path on CPU
+    assert require_fast_kernels(hybrid, cuda, neither, runs_target=False) == []  # a split drafter rank
     dense = config_for({"architecture": ARCHITECTURES["qwen3"]})
-    assert require_fast_kernels(dense, cuda, fingerprint) == []
+    assert require_fast_kernels(dense, cuda, neither) == []
+
+
+def test_the_conv_kernel_is_causal_conv1d_s_else_flash_linear_attention_s_and_named_on_the_target():
+    assert fast_causal_conv({"fla": True, "causal_conv1d": True}) == CAUSAL_CONV1D
+    assert fast_causal_conv({"fla": True, "causal_conv1d": False}) == TRITON
+    assert fast_causal_conv({"fla": False, "causal_conv1d": False}) is None
+    hybrid = load_target(config_for({"architecture": ARCHITECTURES["qwen3_5_text"]}, [0, 1]), "cpu")
+    assert hybrid.conv_kernel == REFERENCE  # a CPU has only the reference path
+    dense = load_target(config_for({"architecture": ARCHITECTURES["qwen3"]}, [0, 1]), "cpu")
+    assert dense.conv_kernel is None

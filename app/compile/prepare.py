@@ -31,8 +31,9 @@ from app.compile.guard import (
 )
 from app.compile.key import cache_key, key_fields
 from app.compile.library_jit import LibraryJitCounter, LibraryJitWatch
-from app.compile.warmup import TrainingStep, warm_up_drafter
+from app.compile.warmup import TrainingStep, warm_up_drafter, warm_up_target
 from app.config.schema import RunConfig
+from app.model.target import TargetModel
 from app.telemetry.guard import GuardedWatch
 from app.telemetry.health import ExternalEvents
 from app.telemetry.reporter import HealthWatch
@@ -87,15 +88,18 @@ class CompileReport:
         }
 
 
-def prepare_compiled_training(config: RunConfig, step: TrainingStep, log: Log) -> CompileReport:
+def prepare_compiled_training(
+    config: RunConfig, step: TrainingStep, log: Log, target: TargetModel | None = None
+) -> CompileReport:
     """Call once, on the main thread, after building the training step and before the first one.
 
-    `step` is the run's DrafterStep over the bare drafter, before any DDP wrapping.
+    `step` is the run's DrafterStep over the bare drafter, before any DDP wrapping; `target` the
+    target this process runs (colocated), if any.
 
     On CPU (eager) this only checks the mode and returns. On CUDA: set up the cache directories,
-    load the cache whose key matches, compile the drafter's layers, warm up at the run's exact shapes,
-    check the cache counters, then set the fail_on_recompile stance (wrap steps in
-    `app.compile.recompile_errors()`).
+    load the cache whose key matches, compile the drafter's layers, warm up at the run's exact shapes
+    (and the target at its longest one), check the cache counters, then set the fail_on_recompile
+    stance (wrap steps in `app.compile.recompile_errors()`).
     """
     drafter, device = step.drafter, step.device
     compile_config = config.compile
@@ -123,6 +127,8 @@ def prepare_compiled_training(config: RunConfig, step: TrainingStep, log: Log) -
     report.counters_after = read_counters()
     verify_fx_trace_flags()
     log(f"compile warm-up: {report.warmup_s:.1f}s ({report.warmup_counters.describe()})")
+    if target is not None:
+        log(warm_up_target(config, target, device))
 
     counter_problems = cache_use_problems(report.warmup_counters, report.cache_loaded)
     for problem in counter_problems:

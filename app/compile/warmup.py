@@ -156,6 +156,21 @@ def warm_target_shapes(config: RunConfig, target: TargetModel, device: torch.dev
     return time.perf_counter() - started
 
 
+def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device) -> str:
+    """One target forward at the run's longest batch shape, on the main thread before any data
+    thread exists: the process's first use of each target kernel (loading the baked library ones,
+    cuBLAS, the allocator's growth) happens here, not in the first steps. Returns the log line."""
+    rows, length = TargetShapes.from_config(config.data).all[-1]
+    input_ids = torch.randint(
+        0, target.vocab_size, (rows, length), generator=torch.Generator().manual_seed(WARMUP_SEED)
+    )
+    started = time.perf_counter()
+    target.features(input_ids.to(device))
+    synchronize(device)
+    conv = f"; linear-attention conv on {target.conv_kernel}" if target.conv_kernel else ""
+    return f"target warm-up: {time.perf_counter() - started:.1f}s (one forward at {rows}x{length}{conv})"
+
+
 def _target_batch(config: RunConfig, target: TargetModel, device: torch.device) -> torch.Tensor:
     rows = max(1, config.data.token_budget // config.data.max_length)
     generator = torch.Generator().manual_seed(WARMUP_SEED)

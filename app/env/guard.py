@@ -69,9 +69,16 @@ def check_environment(run_dir: Path | None, *, resume: bool, allow_drift: bool) 
 
 
 def fast_kernel_gaps(fingerprint: dict[str, Any]) -> list[str]:
-    """The hybrid-target kernels this process cannot import, as `module (distribution: why)`."""
+    """The hybrid-target kernels this process lacks, as `module (distribution: why)`: flash-linear-
+    attention, and a causal conv (causal-conv1d's, else flash-linear-attention's Triton one)."""
+    from app.model.causal_conv import fast_causal_conv
+
+    kernels = fingerprint.get("fast_kernels") or {}
+    conv = fast_causal_conv({module: bool(status.get("present")) for module, status in kernels.items()})
     gaps = []
-    for module, status in (fingerprint.get("fast_kernels") or {}).items():
+    for module, status in kernels.items():
+        if module == "causal_conv1d" and conv is not None:
+            continue
         if not status.get("present"):
             why = f": {status['error']}" if status.get("error") else ": not installed"
             gaps.append(f"{module} ({FAST_KERNELS.get(module, module)}{why})")

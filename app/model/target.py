@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from app.config import default_target_layer_ids
 from app.config.schema import BUILTIN_TARGETS, DrafterConfig, RunConfig, TargetConfig
 from app.errors import UserError
+from app.model.causal_conv import use_fast_causal_conv
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 
@@ -87,7 +88,8 @@ def load_target(config: RunConfig, device: torch.device | str) -> TargetModel:
     else:
         model = _random_model(target, device, dtype)
     layer_ids = resolve_layer_ids(config.drafter, model.config.get_text_config().num_hidden_layers)
-    return TargetModel(model, layer_ids)
+    conv_kernel = use_fast_causal_conv(model, device)
+    return TargetModel(model, layer_ids, conv_kernel)
 
 
 class TargetModel:
@@ -97,8 +99,11 @@ class TargetModel:
     `embed_tokens` and `lm_head` are its frozen embedding and output head, which the drafter borrows.
     """
 
-    def __init__(self, model: PreTrainedModel, layer_ids: list[int]):
+    def __init__(self, model: PreTrainedModel, layer_ids: list[int], conv_kernel: str | None = None):
         self.model = model.eval().requires_grad_(False)
+        self.conv_kernel = conv_kernel
+        """What the linear-attention layers' causal conv runs on (`app.model.causal_conv`); None
+        when the target has none."""
         self.text_config: PretrainedConfig = model.config.get_text_config()
         self._decoder = model.get_decoder()
         decoder_layers = getattr(self._decoder, "layers", None)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from app.compile.library_jit import LibraryJitCounter
+from app.compile.warmup import warm_up_target
 from app.config import RunConfig
 from app.data.batch import TargetBatch
 from app.data.batching import BatchPlanner, collate
@@ -84,7 +85,9 @@ class TargetWorker:
         self._stats_channel = SideChannel.connect(config.topology.recv_timeout_s)
         self.batches = 0
         self.forward_seconds = 0.0
-        # After the baked Triton files are in place: what this rank's forwards add is library JIT.
+        if runtime.device.type == "cuda":  # on the main thread, before the preparer thread exists
+            log(warm_up_target(config, self.target, runtime.device))
+        # After the baked Triton files are in place and warm-up: what this rank's forwards add is library JIT.
         self.library_jit = LibraryJitCounter()
 
     def run(self) -> None:

@@ -94,7 +94,7 @@ def require_fast_kernels(
     message = (
         f"target: a hybrid (Gated DeltaNet) target on CUDA without {', '.join(gaps)} runs its linear-attention "
         "layers on transformers' slow reference path; install them with `./uvw sync --group gpu` "
-        "(causal-conv1d compiles with nvcc: needs the CUDA toolkit) or train in the GPU image"
+        "or train in the GPU image"
     )
     if not config.target.allow_slow_kernels:
         raise UserError(f"{message}; to train on the slow path anyway, set target.allow_slow_kernels=true")

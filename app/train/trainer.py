@@ -188,7 +188,7 @@ class Trainer:
             resumed = self._agree_on_start(runtime, resumed)
         self.resumed = resumed
         # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
-        self.compile_report = prepare_compiled_training(config, self.drafter_step, log)
+        self.compile_report = prepare_compiled_training(config, self.drafter_step, log, self.target)
         self.telemetry.watch(self.compile_report.health_watches())
         if runtime is not None and runtime.layout.num_drafters > 1:
             # broadcasts rank 0's weights
