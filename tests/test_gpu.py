@@ -314,8 +314,10 @@ def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothi
 
 
 def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkeypatch) -> None:
-    """`dflash bench target` on a tiny hybrid target: eager, CUDA-graphed and compiled forwards all
-    run at each shape, each logged as it is measured, and the report gives each mode's ratio to eager."""
+    """`dflash bench target` on a tiny hybrid target: eager and compiled forwards run at each shape,
+    each logged as it is measured, and the report gives each mode's ratio to eager. The CUDA-graphed
+    mode either runs too or the report says why it could not (with flash-linear-attention 0.6.0 on
+    torch 2.11 its capture fails after the eager mode ran: a finding, recorded in BENCHMARKS.md)."""
     pytest.importorskip("fla")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
     config = validate_config(
@@ -326,10 +328,15 @@ def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkey
     result = run_target_bench(
         config, [(4, 256), (2, 512)], ["eager", "cudagraph", "compiled"], 2, 790.0, lines.append
     )
+    report = format_report(result)
     for mode in ("eager", "cudagraph", "compiled"):
         timings = result.modes[mode]
+        if mode == "cudagraph" and isinstance(timings, str):
+            assert f"cudagraph: could not run: {timings}" in report
+            assert lines[-3] == f"cudagraph could not run: {timings}"
+            continue
         assert not isinstance(timings, str), timings
         assert [(t.rows, t.length) for t in timings] == [(4, 256), (2, 512)]
         assert all(t.tokens_per_s > 0 and len(t.ms) == 2 for t in timings)
-    assert len(lines) == 1 + 3 * 2
-    assert re.search(r"compiled / eager: \d+\.\d{3}x", format_report(result))
+    assert lines[0].startswith("device: ") and len(lines) <= 1 + 3 * 2
+    assert re.search(r"compiled / eager: \d+\.\d{3}x", report)

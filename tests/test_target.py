@@ -234,9 +234,10 @@ def test_a_hybrid_target_on_cuda_without_its_fast_kernels_is_refused():
 
 
 def test_the_conv_kernel_is_causal_conv1d_s_else_flash_linear_attention_s_and_named_on_the_target():
-    assert fast_causal_conv({"fla": True, "causal_conv1d": True}) == CAUSAL_CONV1D
-    assert fast_causal_conv({"fla": True, "causal_conv1d": False}) == TRITON
-    assert fast_causal_conv({"fla": False, "causal_conv1d": False}) is None
+    assert fast_causal_conv({"fla": True, "causal_conv1d": True}, cuda=True) == CAUSAL_CONV1D
+    assert fast_causal_conv({"fla": True, "causal_conv1d": False}, cuda=True) == TRITON
+    assert fast_causal_conv({"fla": False, "causal_conv1d": False}, cuda=True) is None
+    assert fast_causal_conv({"fla": True, "causal_conv1d": True}, cuda=False) is None  # CUDA kernels both
     hybrid = load_target(config_for({"architecture": ARCHITECTURES["qwen3_5_text"]}, [0, 1]), "cpu")
     assert hybrid.conv_kernel == REFERENCE  # a CPU has only the reference path
     dense = load_target(config_for({"architecture": ARCHITECTURES["qwen3"]}, [0, 1]), "cpu")

@@ -74,7 +74,8 @@ def fast_kernel_gaps(fingerprint: dict[str, Any]) -> list[str]:
     from app.model.causal_conv import fast_causal_conv
 
     kernels = fingerprint.get("fast_kernels") or {}
-    conv = fast_causal_conv({module: bool(status.get("present")) for module, status in kernels.items()})
+    present = {module: bool(status.get("present")) for module, status in kernels.items()}
+    conv = fast_causal_conv(present, cuda=True)  # the question is asked of a run on CUDA
     gaps = []
     for module, status in kernels.items():
         if module == "causal_conv1d" and conv is not None:

@@ -23,9 +23,11 @@ TRITON = "flash-linear-attention (Triton)"
 REFERENCE = "transformers' reference F.conv1d"
 
 
-def fast_causal_conv(present: dict[str, bool]) -> str | None:
+def fast_causal_conv(present: dict[str, bool], cuda: bool) -> str | None:
     """The fast kernel a hybrid target's conv runs on, given which of `fla` and `causal_conv1d`
-    import; None when neither does."""
+    import; None when neither does, or off CUDA (`cuda` False: both kernels are CUDA-only)."""
+    if not cuda:
+        return None
     if present.get("causal_conv1d"):
         return CAUSAL_CONV1D
     if present.get("fla"):
@@ -45,7 +47,7 @@ def use_fast_causal_conv(model: nn.Module, device: torch.device) -> str | None:
     if not modules:
         return None
     present = {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d")}
-    kernel = fast_causal_conv(present) if device.type == "cuda" else None
+    kernel = fast_causal_conv(present, cuda=device.type == "cuda")
     if kernel == TRITON:
         for module in modules:
             module.causal_conv1d_fn = triton_causal_conv1d_fn
