@@ -304,7 +304,7 @@ def test_a_compile_cache_problem_at_train_start_is_a_health_event(
 
     problem = "compile cache unusable, compiling from scratch: 3f9c0d1e/manifest.json: not valid JSON"
 
-    def damaged_cache(config, step, log) -> CompileReport:
+    def damaged_cache(config, step, log, target) -> CompileReport:
         return CompileReport(compiled=True, device="cuda:0", key="3f9c0d1e", problems=[problem])
 
     monkeypatch.setattr("app.train.trainer.prepare_compiled_training", damaged_cache)
