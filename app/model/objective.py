@@ -29,7 +29,7 @@ from app.config.schema import TrainConfig
 from app.data.batch import DrafterRow, FeatureBatch
 from app.errors import UserError
 from app.model.attention import UncompiledKernelOnCudaError
-from app.model.tree import build_tree
+from app.model.tree import grow_tree, top_k_per_depth
 
 CeChunk = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -143,11 +143,12 @@ def tree_streak(
     ]
     accepted = 0
     if len(picks):
-        logits = lm_head(hidden[picks].to(lm_head.weight.dtype))
-        for block, length, block_logits in zip(
-            labels[picks].tolist(), leading[picks].tolist(), logits, strict=True
+        log_probs, token_ids = top_k_per_depth(lm_head(hidden[picks].to(lm_head.weight.dtype)), sample.top_k)
+        for block, length, block_log_probs, block_token_ids in zip(
+            labels[picks].tolist(), leading[picks].tolist(), log_probs, token_ids, strict=True
         ):
-            accepted += build_tree(block_logits, sample.budget, sample.top_k).accepted(block[:length])
+            tree = grow_tree(block_log_probs, block_token_ids, sample.budget)
+            accepted += tree.accepted(block[:length])
     device = hidden.device
     return torch.tensor(float(accepted), device=device), torch.tensor(float(len(picks)), device=device)
 

@@ -65,12 +65,23 @@ class DraftTree:
 
 def build_tree(logits: torch.Tensor, budget: int, top_k: int) -> DraftTree:
     """The best-first tree of at most `budget` nodes over per-depth logits `[D, V]` (module docstring)."""
-    if budget < 1 or top_k < 1:
-        raise UserError(f"tree: budget and top-k must be >= 1, got budget {budget}, top-k {top_k}")
+    _check(budget, top_k)
+    return grow_tree(*top_k_per_depth(logits, top_k), budget)
+
+
+def top_k_per_depth(logits: torch.Tensor, top_k: int) -> tuple[list, list]:
+    """The log-probabilities and token ids of the `top_k` best tokens per depth, best first, as
+    nested lists (`[..., D, V]` logits -> `[..., D, K]`): one transfer from the device for all the
+    trees of a batch of blocks."""
     top_k = min(top_k, logits.shape[-1])
     values, indices = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-    log_probs, token_ids = values.tolist(), indices.tolist()  # one transfer per round
-    depth_count = len(log_probs)
+    return values.tolist(), indices.tolist()
+
+
+def grow_tree(log_probs: list[list[float]], token_ids: list[list[int]], budget: int) -> DraftTree:
+    """The best-first tree of at most `budget` nodes over one block's `top_k_per_depth`."""
+    _check(budget, len(token_ids[0]))
+    depth_count, top_k = len(log_probs), len(log_probs[0])
     tree = DraftTree(tokens=[], parents=[], depths=[])
     # (-score, depth, rank, parent node, parent's score): ties break by shallower, then better rank
     frontier = [(-log_probs[0][0], 1, 0, -1, 0.0)]
@@ -87,3 +98,8 @@ def build_tree(logits: torch.Tensor, budget: int, top_k: int) -> DraftTree:
             score = -negative_score
             heapq.heappush(frontier, (-(score + log_probs[depth][0]), depth + 1, 0, node, score))
     return tree
+
+
+def _check(budget: int, top_k: int) -> None:
+    if budget < 1 or top_k < 1:
+        raise UserError(f"tree: budget and top-k must be >= 1, got budget {budget}, top-k {top_k}")
