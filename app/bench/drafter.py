@@ -97,6 +97,7 @@ def run_drafter_bench(
         drafter.zero_grad(set_to_none=True)
 
     first_call_s, step_ms, host_syncs = _time_steps(step, batches, warmup, steps, device)
+    peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     tree_sample = TreeSample.from_config(config.train, config.telemetry.tree_streak_blocks)
     tree_step_ms = None
     if tree_sample is not None:
@@ -105,7 +106,6 @@ def run_drafter_bench(
                 _timed(lambda batch: step(batch, tree_sample), batches[index % len(batches)], device)
                 for index in range(steps)
             ]
-    peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
     row = batches[0].row.to("cpu")
     terms = {name: float(value) for name, value in forward_flops(arch, row).items()}
     return DrafterBenchResult(

@@ -24,7 +24,7 @@ from app.errors import UserError
 from app.evaluate.speculative import CachedTarget, drafter_autocast
 from app.evaluate.tree import tree_verification_inputs
 from app.model.drafter import DFlashDrafter, DrafterArch
-from app.model.target import is_hybrid, load_target
+from app.model.target import is_hybrid, load_target, target_text_config
 from app.model.tree import DraftTree, build_tree
 
 
@@ -62,13 +62,13 @@ def run_tree_bench(
     budget the tree's construction and its verification forward (each first call untimed)."""
     if not budgets or min(budgets) < 1 or top_k < 1 or context < 1 or repeats < 1:
         raise UserError("bench tree: --budgets, --top-k, --context and --repeats must be >= 1")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target = load_target(config, device)
-    if is_hybrid(target.text_config):
+    if is_hybrid(target_text_config(config.target)):  # before any weights load
         raise UserError(
             "bench tree: the target has linear-attention layers, which take no ancestor mask; "
             "time tree verification on an attention-only target"
         )
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target = load_target(config, device)
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     autocast = torch.bfloat16 if device.type == "cuda" and config.train.precision == "bf16" else None
     generator = torch.Generator().manual_seed(WARMUP_SEED)

@@ -37,7 +37,9 @@ def fast_causal_conv(present: dict[str, bool], cuda: bool) -> str | None:
 
 def use_fast_causal_conv(model: nn.Module, device: torch.device) -> str | None:
     """Run `model`'s linear-attention convs on the fastest kernel this process has; returns which
-    (None: the model has no such conv). On a CPU, or with neither package, the reference path stays."""
+    (None: the model has no such conv). On a CPU, or with neither package, the reference path stays.
+    The kernel is set in the layers' modeling module, so it holds for every model of that module in
+    the process (a target lives on one device per process)."""
     modules = {
         sys.modules[type(layer).__module__]
         for layer in model.modules()
