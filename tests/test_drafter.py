@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
+from app.bench.profile import profile_table
 from app.config import validate_config
 from app.data.synthetic import synthetic_row
 from app.errors import UserError
@@ -356,3 +357,37 @@ def test_the_mask_token_id_changes_what_the_drafter_sees(sliding_setup):
             other.draft_logits(cache, 42, 0, embed_tokens, lm_head),
             drafter.draft_logits(cache, 42, 0, embed_tokens, lm_head),
         )
+
+
+def test_a_profile_ranks_operators_by_self_time_with_their_counts():
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def call() -> None:
+        for _ in range(3):
+            torch.mm(a, b)
+        torch.add(a, b)
+
+    table = profile_table(call, torch.device("cpu"), rows=2, what="three matmuls and an add")
+    header, *rows = table.splitlines()
+    assert re.fullmatch(
+        r"profile of three matmuls and an add \(self time on the host, top 2 of \d+ operators, [\d.]+ ms in all\):",
+        header,
+    )
+    assert len(rows) == 2 and rows[0].split()[3:] == ["x3", "aten::mm"]
+    shares = [float(row.split()[2].rstrip("%")) for row in rows]
+    assert shares[0] >= shares[1] > 0 and sum(shares) <= 100.05
+
+
+def test_bench_drafter_profiles_one_step_on_request():
+    from app.cli import cli
+
+    result = CliRunner().invoke(
+        cli, ["bench", "drafter", "configs/tiny.toml", "train.anchors=16", "--steps", "1", "--warmup", "1",
+              "--profile", "4"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("profile of one step (self time on the host")
+    )
+    assert len(lines[start + 1 :]) == 4 and all(" ms " in line for line in lines[start + 1 :])

@@ -340,3 +340,17 @@ def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkey
         assert all(t.tokens_per_s > 0 and len(t.ms) == 2 for t in timings)
     assert lines[0].startswith("device: ") and len(lines) <= 1 + 3 * 2
     assert re.search(r"compiled / eager: \d+\.\d{3}x", report)
+
+
+def test_bench_target_profiles_the_eager_forward_on_request(persistent_tmp: Path, monkeypatch) -> None:
+    pytest.importorskip("fla")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
+    config = validate_config(
+        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 2, "mask_token_id": 3,
+         "target_layer_ids": [1, 2]}, "data": {"token_budget": 1024, "max_length": 512}}
+    )  # fmt: skip
+    lines: list[str] = []
+    result = run_target_bench(config, [(4, 256), (2, 512)], ["eager"], 1, 790.0, lines.append, profile_rows=5)
+    header, *rows = result.profile.splitlines()
+    assert header.startswith("profile of the eager forward at 2 x 512 (self time on the GPU, top 5 of ")
+    assert len(rows) == 5 and lines[1] == result.profile

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from app.bench.profile import profile_table
 from app.compile.apply import compile_drafter
 from app.compile.warmup import synchronize, synthetic_batches
 from app.config import RunConfig
@@ -58,6 +59,8 @@ class DrafterBenchResult:
     tree_step_ms: list[float] | None = None
     """Milliseconds of the same steps with the proxy measured, as on a log step."""
     log_every: int = 1
+    profile: str | None = None
+    """One step's operators by self time (`app.bench.profile`), when asked for."""
 
     @property
     def median_ms(self) -> float:
@@ -75,8 +78,10 @@ def run_drafter_bench(
     warmup: int = 3,
     peak_tflops: float = 790.0,
     device: str | None = None,
+    profile_rows: int = 0,
 ) -> DrafterBenchResult:
-    """Build the drafter at the config's shapes and time `steps` training steps after `warmup` ones."""
+    """Build the drafter at the config's shapes and time `steps` training steps after `warmup` ones
+    (and with `profile_rows`, list one more step's most expensive operators)."""
     if steps < 1 or warmup < 1:
         raise ValueError("bench drafter: --steps and --warmup must be >= 1")
     device = torch.device(device or _default_device(config))
@@ -106,6 +111,10 @@ def run_drafter_bench(
                 _timed(lambda batch: step(batch, tree_sample), batches[index % len(batches)], device)
                 for index in range(steps)
             ]
+    profile = None
+    if profile_rows:
+        with _no_recompiles(device):
+            profile = profile_table(lambda: step(batches[0]), device, profile_rows, "one step")
     row = batches[0].row.to("cpu")
     terms = {name: float(value) for name, value in forward_flops(arch, row).items()}
     return DrafterBenchResult(
@@ -131,6 +140,7 @@ def run_drafter_bench(
         tree_sample=tree_sample,
         tree_step_ms=tree_step_ms,
         log_every=config.telemetry.log_every,
+        profile=profile,
     )
 
 
@@ -162,6 +172,8 @@ def format_report(result: DrafterBenchResult) -> str:
     if result.host_syncs is not None:
         where = f" at {', '.join(result.host_syncs)}" if result.host_syncs else ""
         lines.append(f"host syncs per step: {len(result.host_syncs)}{where}")
+    if result.profile is not None:
+        lines.append(result.profile)
     return "\n".join(lines)
 
 

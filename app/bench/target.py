@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from app.bench.profile import profile_table
 from app.compile.apply import compile_target_layers
 from app.compile.warmup import WARMUP_SEED, synchronize
 from app.config import RunConfig
@@ -68,6 +69,8 @@ class TargetBenchResult:
     """Matmul FLOPs per token of each shape (attention's share grows with the length)."""
     modes: dict[str, list[ShapeTiming] | str]
     """Per mode its timings, or why it could not run (its first error line)."""
+    profile: str | None = None
+    """The eager forward's operators by self time at the longest shape (`app.bench.profile`)."""
 
 
 def bench_shapes(config: RunConfig, count: int | None) -> list[tuple[int, int]]:
@@ -88,9 +91,11 @@ def run_target_bench(
     repeats: int,
     peak_tflops: float,
     log: Callable[[str], None],
+    profile_rows: int = 0,
 ) -> TargetBenchResult:
     """Load the configured target on CUDA and time its forward at `shapes` in each of `modes`; each
-    shape's line is logged as it is measured (a long run cut short keeps what it measured)."""
+    shape's line is logged as it is measured (a long run cut short keeps what it measured). With
+    `profile_rows`, the eager forward at the longest shape is profiled before any mode runs."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise UserError(f"bench target: --modes: unknown {unknown}; expected some of {list(MODES)}")
@@ -107,6 +112,17 @@ def run_target_bench(
         modes={},
     )
     log(f"device: {result.device}; target: {result.layers_run} of {result.layers_total} layers run")
+    if profile_rows:
+        rows, length = max(shapes, key=lambda shape: shape[1])
+        input_ids = _input_ids(target, rows, length)
+        target.features(input_ids)  # outside the profile: any library JIT of this shape
+        result.profile = profile_table(
+            lambda: target.features(input_ids),
+            device,
+            profile_rows,
+            f"the eager forward at {rows} x {length}",
+        )
+        log(result.profile)
     # eager and cudagraph first: compiling patches the layers for the rest of the process
     for mode in sorted(modes, key=MODES.index):
         if mode == "compiled":
@@ -123,9 +139,13 @@ def run_target_bench(
     return result
 
 
-def _time_shape(target: TargetModel, mode: str, rows: int, length: int, repeats: int) -> ShapeTiming:
+def _input_ids(target: TargetModel, rows: int, length: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(WARMUP_SEED)
-    input_ids = torch.randint(0, target.vocab_size, (rows, length), generator=generator).to(target.device)
+    return torch.randint(0, target.vocab_size, (rows, length), generator=generator).to(target.device)
+
+
+def _time_shape(target: TargetModel, mode: str, rows: int, length: int, repeats: int) -> ShapeTiming:
+    input_ids = _input_ids(target, rows, length)
     started = time.perf_counter()
     forward = _graphed(target, input_ids) if mode == "cudagraph" else target.features
     forward(input_ids)

@@ -27,12 +27,17 @@ def drafter(
             "--peak-tflops", min=0.001, help="Peak to compare with (H200 bf16 matmul, measured: 790)."
         ),
     ] = 790.0,
+    profile: Annotated[
+        int, typer.Option("--profile", min=0, help="Also list one step's N most expensive operators.")
+    ] = 0,
 ) -> None:
     """Time drafter forward + backward + chunked loss steps; print throughput, FLOPs, memory, compile time."""
     from app.bench.drafter import format_report, run_drafter_bench  # torch loads only for this command
 
     resolved = load_config(config, overrides or [])
-    result = run_drafter_bench(resolved, steps=steps, warmup=warmup, peak_tflops=peak_tflops)
+    result = run_drafter_bench(
+        resolved, steps=steps, warmup=warmup, peak_tflops=peak_tflops, profile_rows=profile
+    )
     print(format_report(result))
 
 
@@ -50,6 +55,10 @@ def target(
     peak_tflops: Annotated[
         float, typer.Option("--peak-tflops", min=0.001, help="Peak to compare with (H200 bf16: 790).")
     ] = 790.0,
+    profile: Annotated[
+        int,
+        typer.Option("--profile", min=0, help="Also list the eager forward's N most expensive operators."),
+    ] = 0,
 ) -> None:
     """Time the frozen target's forward per batch shape of the run: eager, compiled, CUDA-graphed."""
     from app.bench.target import bench_shapes, format_report, run_target_bench
@@ -63,6 +72,7 @@ def target(
         repeats,
         peak_tflops,
         log=lambda line: print(line, flush=True),
+        profile_rows=profile,
     )
     print(format_report(result))
 
