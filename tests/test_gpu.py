@@ -313,17 +313,23 @@ def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothi
     assert f"compile cache: loaded {entry.key}" in done.stdout
 
 
+def bench_target_config(persistent_tmp: Path, monkeypatch):
+    """The tiny hybrid target's config for `bench target` (which needs flash-linear-attention), its
+    Triton kernels in this test's own cache dir."""
+    pytest.importorskip("fla")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
+    return validate_config(
+        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 2, "mask_token_id": 3,
+         "target_layer_ids": [1, 2]}, "data": {"token_budget": 1024, "max_length": 512}}
+    )  # fmt: skip
+
+
 def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkeypatch) -> None:
     """`dflash bench target` on a tiny hybrid target: eager and compiled forwards run at each shape,
     each logged as it is measured, and the report gives each mode's ratio to eager. The CUDA-graphed
     mode either runs too or the report says why it could not (with flash-linear-attention 0.6.0 on
     torch 2.11 its capture fails after the eager mode ran: a finding, recorded in BENCHMARKS.md)."""
-    pytest.importorskip("fla")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
-    config = validate_config(
-        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 2, "mask_token_id": 3,
-         "target_layer_ids": [1, 2]}, "data": {"token_budget": 1024, "max_length": 512}}
-    )  # fmt: skip
+    config = bench_target_config(persistent_tmp, monkeypatch)
     lines: list[str] = []
     result = run_target_bench(
         config, [(4, 256), (2, 512)], ["eager", "cudagraph", "compiled"], 2, 790.0, lines.append
@@ -343,12 +349,7 @@ def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkey
 
 
 def test_bench_target_profiles_the_eager_forward_on_request(persistent_tmp: Path, monkeypatch) -> None:
-    pytest.importorskip("fla")
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(persistent_tmp / "triton"))
-    config = validate_config(
-        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 2, "mask_token_id": 3,
-         "target_layer_ids": [1, 2]}, "data": {"token_budget": 1024, "max_length": 512}}
-    )  # fmt: skip
+    config = bench_target_config(persistent_tmp, monkeypatch)
     lines: list[str] = []
     result = run_target_bench(config, [(4, 256), (2, 512)], ["eager"], 1, 790.0, lines.append, profile_rows=5)
     header, *rows = result.profile.splitlines()
