@@ -138,14 +138,14 @@ def run_start(config_path: str, overrides: list[str], steps: int) -> dict[str, A
     marks["models_built"] = time.time() - spawned_at
     report = prepare_compiled_training(config, drafter_step, log=print)
     marks["prepared"] = time.time() - spawned_at
-    feature_pool = [_target_features(config, target, device, seed=0)]
+    feature_pool = [_target_features(config, target, seed=0)]
     marks["features_ready"] = time.time() - spawned_at
     step = _train_step(config, drafter_step)
 
     loss = step(0, feature_pool[0])
     loss.item()
     marks["first_optimizer_step"] = time.time() - spawned_at
-    feature_pool += [_target_features(config, target, device, seed) for seed in range(1, FEATURE_POOL)]
+    feature_pool += [_target_features(config, target, seed) for seed in range(1, FEATURE_POOL)]
 
     before = read_counters()
     recompile_failure = None
@@ -228,15 +228,17 @@ def _train_step(config: RunConfig, drafter_step: DrafterStep) -> Callable[[int, 
     return step
 
 
-def _target_features(config: RunConfig, target: TargetModel, device: torch.device, seed: int) -> torch.Tensor:
+def _target_features(config: RunConfig, target: TargetModel, seed: int) -> torch.Tensor:
     """`[token_budget, K*H]` features of one target forward over random tokens (zero-padded to the budget)."""
     import torch
 
+    from app.compile.warmup import random_target_batch
+
     budget, length = config.data.token_budget, config.data.max_length
     rows = max(1, budget // length)
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, target.vocab_size, (rows, length), generator=generator).to(device)
-    features = target.features(input_ids).reshape(rows * length, -1)[:budget]
+    features = target.features(random_target_batch(target, rows, length, seed)).reshape(rows * length, -1)[
+        :budget
+    ]
     if features.shape[0] < budget:
         features = torch.cat([features, features.new_zeros(budget - features.shape[0], features.shape[1])])
     return features

@@ -26,7 +26,7 @@ from torch import nn
 
 from app.bench.profile import profile_table
 from app.compile.apply import compile_target_layers
-from app.compile.warmup import WARMUP_SEED, synchronize
+from app.compile.warmup import random_target_batch, synchronize
 from app.config import RunConfig
 from app.data.shapes import TargetShapes
 from app.errors import UserError
@@ -114,7 +114,7 @@ def run_target_bench(
     log(f"device: {result.device}; target: {result.layers_run} of {result.layers_total} layers run")
     if profile_rows:
         rows, length = max(shapes, key=lambda shape: shape[1])
-        input_ids = _input_ids(target, rows, length)
+        input_ids = random_target_batch(target, rows, length)
         target.features(input_ids)  # outside the profile: any library JIT of this shape
         result.profile = profile_table(
             lambda: target.features(input_ids),
@@ -139,13 +139,8 @@ def run_target_bench(
     return result
 
 
-def _input_ids(target: TargetModel, rows: int, length: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(WARMUP_SEED)
-    return torch.randint(0, target.vocab_size, (rows, length), generator=generator).to(target.device)
-
-
 def _time_shape(target: TargetModel, mode: str, rows: int, length: int, repeats: int) -> ShapeTiming:
-    input_ids = _input_ids(target, rows, length)
+    input_ids = random_target_batch(target, rows, length)
     started = time.perf_counter()
     forward = _graphed(target, input_ids) if mode == "cudagraph" else target.features
     forward(input_ids)

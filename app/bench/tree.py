@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from app.compile.warmup import WARMUP_SEED, synchronize
+from app.compile.warmup import random_target_batch, synchronize
 from app.config import RunConfig
 from app.errors import UserError
 from app.evaluate.speculative import CachedTarget, drafter_autocast
@@ -71,8 +71,7 @@ def run_tree_bench(
     target = load_target(config, device)
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     autocast = torch.bfloat16 if device.type == "cuda" and config.train.precision == "bf16" else None
-    generator = torch.Generator().manual_seed(WARMUP_SEED)
-    prompt = torch.randint(0, target.vocab_size, (context + 1,), generator=generator).to(device)
+    prompt = random_target_batch(target, 1, context + 1)[0]
     verifier = CachedTarget(target, DynamicCache(config=target.model.config))
     draft_cache = drafter.new_cache()
     with torch.inference_mode(), drafter_autocast(drafter, autocast):

@@ -118,7 +118,9 @@ def time_target_forward(
     config: RunConfig, target: TargetModel, device: torch.device, repeats: int = 3
 ) -> float:
     """Seconds per target forward over a full batch (`token_budget // max_length` rows of `max_length`)."""
-    return time_target_forwards(target, [_target_batch(config, target, device)] * repeats, device)
+    rows = max(1, config.data.token_budget // config.data.max_length)
+    batch = random_target_batch(target, rows, config.data.max_length)
+    return time_target_forwards(target, [batch] * repeats, device)
 
 
 def time_target_forwards(target: TargetModel, batches: list[torch.Tensor], device: torch.device) -> float:
@@ -145,11 +147,9 @@ def warm_target_shapes(config: RunConfig, target: TargetModel, device: torch.dev
     that every library kernel and autotuning result the run needs is in the Triton cache; returns
     the seconds it took."""
     shapes = TargetShapes.from_config(config.data).all
-    generator = torch.Generator().manual_seed(WARMUP_SEED)
     started = time.perf_counter()
     for number, (rows, length) in enumerate(shapes, start=1):
-        input_ids = torch.randint(0, target.vocab_size, (rows, length), generator=generator)
-        target.features(input_ids.to(device))
+        target.features(random_target_batch(target, rows, length))
         synchronize(device)
         if number % 10 == 0 or number == len(shapes):
             log(f"  target shapes warmed: {number}/{len(shapes)} ({time.perf_counter() - started:.0f}s)")
@@ -161,21 +161,19 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
     thread exists: the process's first use of each target kernel (loading the baked library ones,
     cuBLAS, the allocator's growth) happens here, not in the first steps. Returns the log line."""
     rows, length = TargetShapes.from_config(config.data).all[-1]
-    input_ids = torch.randint(
-        0, target.vocab_size, (rows, length), generator=torch.Generator().manual_seed(WARMUP_SEED)
-    )
+    input_ids = random_target_batch(target, rows, length)
     started = time.perf_counter()
-    target.features(input_ids.to(device))
+    target.features(input_ids)
     synchronize(device)
     conv = f"; linear-attention conv on {target.conv_kernel}" if target.conv_kernel else ""
     return f"target warm-up: {time.perf_counter() - started:.1f}s (one forward at {rows}x{length}{conv})"
 
 
-def _target_batch(config: RunConfig, target: TargetModel, device: torch.device) -> torch.Tensor:
-    rows = max(1, config.data.token_budget // config.data.max_length)
-    generator = torch.Generator().manual_seed(WARMUP_SEED)
-    input_ids = torch.randint(0, target.vocab_size, (rows, config.data.max_length), generator=generator)
-    return input_ids.to(device)
+def random_target_batch(target: TargetModel, rows: int, length: int, seed: int = WARMUP_SEED) -> torch.Tensor:
+    """`[rows, length]` random token ids on the target's device, drawn from `seed`: a target batch
+    of that shape for warm-ups and benchmarks (the forward's cost does not depend on the tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, target.vocab_size, (rows, length), generator=generator).to(target.device)
 
 
 def synchronize(device: torch.device) -> None:
