@@ -255,7 +255,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             loss = loss + chunk_loss
             predictions[start:stop] = chunk_predictions.view(stop - start, -1)
             if needs_grad:
-                grad_chunk = grad_logits.to(weight.dtype) @ weight
+                grad_chunk = grad_logits @ weight
                 grad_hidden[start:stop] = grad_chunk.view(stop - start, -1, hidden.shape[-1])
             del logits, grad_logits  # free this chunk's vocab-sized buffers before the next one
         ctx.mark_non_differentiable(predictions)
@@ -272,19 +272,23 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 def weighted_ce_chunk(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted CE sum, its gradient w.r.t. the logits, and the argmax, for `logits [n, V]`.
+    """Weighted CE sum, its gradient w.r.t. the logits (in the logits' dtype), and the argmax, for
+    `logits [n, V]`.
 
-    In place on an fp32 copy of the logits: one vocab-sized fp32 buffer per chunk.
+    Written as reductions plus one pointwise expression (the one-hot is a comparison with the vocab
+    index, not a scatter), so compiled it is two passes over the logits in fp32 registers and writes
+    the gradient once, in the logits' dtype: no vocab-sized fp32 buffer per chunk.
     """
+    dtype = logits.dtype
     logits = logits.float()
     predictions = logits.argmax(dim=-1)
     log_normaliser = torch.logsumexp(logits, dim=-1)
     label_logits = logits.gather(-1, labels[:, None]).squeeze(-1)
     loss = ((log_normaliser - label_logits) * weights).sum()
     # d(w * CE)/d(logits) = w * (softmax - one_hot)
-    grad = logits.sub_(log_normaliser[:, None]).exp_().mul_(weights[:, None])
-    grad.scatter_add_(-1, labels[:, None], -weights[:, None])
-    return loss, grad, predictions
+    one_hot = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
+    grad = (torch.exp(logits - log_normaliser[:, None]) - one_hot.float()) * weights[:, None]
+    return loss, grad.to(dtype), predictions
 
 
 def _block_size(drafter: nn.Module) -> int:
