@@ -60,7 +60,7 @@ class DrafterBenchResult:
     """Milliseconds of the same steps with the proxy measured, as on a log step."""
     log_every: int = 1
     profile: str | None = None
-    """One step's operators by self time (`app.bench.profile`), when asked for."""
+    """One step's GPU kernels (host operators on a CPU) by time (`app.bench.profile`), when asked for."""
 
     @property
     def median_ms(self) -> float:
