@@ -15,13 +15,13 @@ import torch.nn.functional as F
 import yaml
 
 from app.bench.target import format_report, run_target_bench
-from app.compile.apply import compile_drafter
+from app.compile.apply import compile_drafter, compile_target
 from app.compile.artifacts import list_entries
 from app.compile.build import build_cache
-from app.compile.guard import RecompileError
+from app.compile.guard import RecompileError, enter_steady_state, recompile_errors
 from app.compile.key import cache_key, machine_fields
 from app.compile.library_jit import LibraryJitCounter
-from app.compile.warmup import synthetic_batches
+from app.compile.warmup import random_target_batch, synthetic_batches, warm_up_target
 from app.config import validate_config
 from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
@@ -243,9 +243,9 @@ def test_a_hybrid_target_s_conv_runs_on_a_fast_kernel_equal_to_the_reference() -
 def test_a_colocated_run_warms_the_target_up_before_its_first_step(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:
-    """One target forward at the longest shape on the main thread before training starts (in its own
-    process: the library kernels it JIT-compiles must not land in this one's memory, where a later
-    in-process build would find them and bake nothing)."""
+    """A target forward at the longest and at the shortest shape on the main thread before training
+    starts (in its own process: the library kernels it JIT-compiles must not land in this one's
+    memory, where a later in-process build would find them and bake nothing)."""
     config = hybrid_config(
         tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp, max_steps=2
     )
@@ -254,9 +254,10 @@ def test_a_colocated_run_warms_the_target_up_before_its_first_step(
     done = run_dflash("train", str(config_file), timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    rows, length = TargetShapes.from_config(config.data).all[-1]
+    shapes = TargetShapes.from_config(config.data).all
+    ends = " and ".join(f"{rows}x{length}" for rows, length in (shapes[-1], shapes[0]))
     warm = [line for line in lines if line.startswith("target warm-up:")]
-    assert len(warm) == 1 and f"one forward at {rows}x{length}" in warm[0], done.stdout
+    assert len(warm) == 1 and f"a forward at {ends}" in warm[0], done.stdout
     assert lines.index(warm[0]) < next(i for i, line in enumerate(lines) if "drafter parameters on" in line)
     if FLA and not importlib.util.find_spec("causal_conv1d"):
         assert warm[0].endswith(f"linear-attention conv on {TRITON})")
@@ -348,10 +349,45 @@ def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkey
     assert re.search(r"compiled / eager: \d+\.\d{3}x", report)
 
 
-def test_bench_target_profiles_the_eager_forward_on_request(persistent_tmp: Path, monkeypatch) -> None:
+def test_bench_target_profiles_each_mode_s_kernels_on_request(persistent_tmp: Path, monkeypatch) -> None:
+    """Each mode's forward at the longest shape, its GPU kernels ranked: each kernel counted once (the
+    table's total is the forward's time, not twice it), and the compiled forward runs inductor's
+    fused norms and MLPs."""
     config = bench_target_config(persistent_tmp, monkeypatch)
     lines: list[str] = []
-    result = run_target_bench(config, [(4, 256), (2, 512)], ["eager"], 1, 790.0, lines.append, profile_rows=5)
-    header, *rows = result.profile.splitlines()
-    assert header.startswith("profile of the eager forward at 2 x 512 (self time on the GPU, top 5 of ")
-    assert len(rows) == 5 and lines[1] == result.profile
+    result = run_target_bench(
+        config, [(4, 256), (2, 512)], ["eager", "compiled"], 3, 790.0, lines.append, profile_rows=40
+    )
+    assert sorted(result.profiles) == ["compiled", "eager"]
+    for mode, table in result.profiles.items():
+        header, *rows = table.splitlines()
+        match = re.fullmatch(
+            rf"profile of the {mode} forward at 2 x 512 \(time on the GPU, top (\d+) of (\d+) kernels, "
+            r"([\d.]+) ms in all\):",
+            header,
+        )
+        assert match and len(rows) == min(40, int(match.group(2))) and table in lines
+        forward_ms = result.modes[mode][-1].median_ms
+        assert float(match.group(3)) < 1.5 * forward_ms  # kernels only: an operator and its kernel
+        assert not any(" aten::" in row for row in rows)  # would make it twice the forward
+    assert any("triton_" in row and "rsqrt" in row for row in result.profiles["compiled"].splitlines())
+
+
+def test_the_compiled_target_matches_eager_and_a_new_shape_compiles_nothing(
+    persistent_tmp: Path, monkeypatch
+) -> None:
+    """Inductor's norms and MLPs (`compile_target`) give the eager features to bf16 rounding at every
+    shape of the run's set, and after the warm-up (both ends of the set) no shape recompiles."""
+    config = bench_target_config(persistent_tmp, monkeypatch)
+    target = load_target(config, "cuda")
+    shapes = TargetShapes.from_config(config.data).all
+    batches = [random_target_batch(target, rows, length) for rows, length in shapes]
+    eager = [target.features(batch) for batch in batches]
+    assert compile_target(target) == len(target.position_wise_modules()) > 0
+    warm_up_target(config, target, target.device)
+    enter_steady_state()
+    with recompile_errors():
+        for batch, reference in zip(batches, eager, strict=True):
+            compiled = target.features(batch)
+            error = (compiled.float() - reference.float()).norm() / reference.float().norm()
+            assert error < 1e-2, (tuple(batch.shape), float(error))

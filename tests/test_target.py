@@ -1,5 +1,7 @@
 """The frozen target wrapper: layer taps (offset, early stop), Qwen3 and Qwen3.5 configs, sources, errors."""
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
@@ -242,3 +244,53 @@ def test_the_conv_kernel_is_causal_conv1d_s_else_flash_linear_attention_s_and_na
     assert hybrid.conv_kernel == REFERENCE  # a CPU has only the reference path
     dense = load_target(config_for({"architecture": ARCHITECTURES["qwen3"]}, [0, 1]), "cpu")
     assert dense.conv_kernel is None
+
+
+POSITION_WISE = {
+    "qwen3": ({"Qwen3RMSNorm", "Qwen3MLP"}, 4 * 5),  # per layer: 2 norms, q and k norms, the MLP
+    "qwen3_5_text": ({"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "Qwen3_5MLP"}, 2 * 4 + 2 * 5),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(POSITION_WISE))
+def test_the_target_s_norms_and_mlps_compile_once_for_every_batch_shape(architecture, monkeypatch):
+    """`compile_target` puts each norm and dense MLP under torch.compile over a dynamic token dim:
+    one graph per module kind serves every batch shape, so a new shape after warm-up compiles
+    nothing (the fail_on_recompile stance would raise) and the features are unchanged. Eval's
+    decoding (one token at a time) runs them eagerly; outside `decoding` it would be a recompile.
+    Dynamo's tracing and guards are real; only code generation is skipped (backend eager: CPU CI
+    has no inductor toolchain to rely on)."""
+    from torch._dynamo.utils import counters
+
+    from app.compile.apply import compile_target
+    from app.evaluate.evaluator import decoding
+    from app.model.drafter import DFlashDrafter, DrafterArch
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch.compiler.reset()
+    config = config_for({"architecture": ARCHITECTURES[architecture]}, [0, 3])
+    target = load_target(config, "cpu")
+    batches = [torch.randint(0, 128, shape) for shape in [(4, 64), (2, 128), (3, 96)]]
+    expected = [target.features(batch) for batch in batches]
+    kinds, count = POSITION_WISE[architecture]
+    assert {type(module).__name__ for module in target.position_wise_modules()} == kinds
+    assert compile_target(target) == count
+    counters.clear()
+    try:
+        for batch, reference in zip(batches[:2], expected[:2], strict=True):  # warm-up: two shapes
+            assert torch.equal(target.features(batch), reference)
+        graphs = counters["stats"]["unique_graphs"]
+        assert 0 < graphs <= len(kinds) + 1  # the norm class twice: hidden size and head dim
+        torch.compiler.set_stance("fail_on_recompile")
+        assert torch.equal(target.features(batches[2]), expected[2])  # a new shape: nothing compiles
+        assert counters["stats"]["unique_graphs"] == graphs
+        one_token = torch.tensor([[5]])
+        with pytest.raises(RuntimeError, match="fail_on_recompile"):
+            target.model(input_ids=one_token)
+        drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=0, device="cpu")
+        with decoding(drafter):
+            target.model(input_ids=one_token)
+        assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        torch.compiler.set_stance("default")
+        torch.compiler.reset()

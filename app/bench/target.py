@@ -3,9 +3,10 @@
 The target is the slowest stage on the production class, so its forward is measured alone, per
 (rows, length) shape of the run's set (`TargetShapes`), three ways:
 
-- `eager`: `TargetModel.features` as training runs it;
-- `compiled`: the same with every decoder layer's forward under torch.compile (dynamic=False, one
-  graph per layer kind and shape; library kernels such as flash-linear-attention's stay calls);
+- `eager`: `TargetModel.features` with nothing compiled;
+- `compiled`: as training runs it: the norms and MLPs compiled over a dynamic token dim
+  (`app.compile.apply.compile_target`; projections, attention and library kernels such as
+  flash-linear-attention's stay as they are);
 - `cudagraph`: the eager forward captured once per shape in a CUDA graph and replayed (launch
   overhead removed; the input is copied into the captured buffer first, as a run would).
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from app.bench.profile import profile_table
-from app.compile.apply import compile_target_layers
+from app.compile.apply import compile_target
 from app.compile.warmup import random_target_batch, synchronize
 from app.config import RunConfig
 from app.data.shapes import TargetShapes
@@ -69,8 +70,8 @@ class TargetBenchResult:
     """Matmul FLOPs per token of each shape (attention's share grows with the length)."""
     modes: dict[str, list[ShapeTiming] | str]
     """Per mode its timings, or why it could not run (its first error line)."""
-    profile: str | None = None
-    """The eager forward's operators by self time at the longest shape (`app.bench.profile`)."""
+    profiles: dict[str, str] = field(default_factory=dict)
+    """Per mode, its forward's GPU kernels by time at the longest shape (`app.bench.profile`)."""
 
 
 def bench_shapes(config: RunConfig, count: int | None) -> list[tuple[int, int]]:
@@ -95,7 +96,7 @@ def run_target_bench(
 ) -> TargetBenchResult:
     """Load the configured target on CUDA and time its forward at `shapes` in each of `modes`; each
     shape's line is logged as it is measured (a long run cut short keeps what it measured). With
-    `profile_rows`, the eager forward at the longest shape is profiled before any mode runs."""
+    `profile_rows`, each mode's forward at the longest shape is profiled after its timings."""
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         raise UserError(f"bench target: --modes: unknown {unknown}; expected some of {list(MODES)}")
@@ -112,21 +113,10 @@ def run_target_bench(
         modes={},
     )
     log(f"device: {result.device}; target: {result.layers_run} of {result.layers_total} layers run")
-    if profile_rows:
-        rows, length = max(shapes, key=lambda shape: shape[1])
-        input_ids = random_target_batch(target, rows, length)
-        target.features(input_ids)  # outside the profile: any library JIT of this shape
-        result.profile = profile_table(
-            lambda: target.features(input_ids),
-            device,
-            profile_rows,
-            f"the eager forward at {rows} x {length}",
-        )
-        log(result.profile)
-    # eager and cudagraph first: compiling patches the layers for the rest of the process
+    # eager and cudagraph first: compiling patches the target's modules for the rest of the process
     for mode in sorted(modes, key=MODES.index):
         if mode == "compiled":
-            compile_target_layers(target, len(shapes))
+            compile_target(target)
         timings: list[ShapeTiming] = []
         try:
             for rows, length in shapes:
@@ -136,7 +126,20 @@ def run_target_bench(
         except Exception as error:  # a mode that cannot run is a finding of the benchmark
             result.modes[mode] = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
             log(f"{mode:<9} could not run: {result.modes[mode]}")
+            continue
+        if profile_rows and mode != "cudagraph":  # a replayed graph is one launch: nothing to rank
+            result.profiles[mode] = _profile(
+                target, mode, max(shapes, key=lambda shape: shape[1]), profile_rows
+            )
+            log(result.profiles[mode])
     return result
+
+
+def _profile(target: TargetModel, mode: str, shape: tuple[int, int], rows: int) -> str:
+    """The forward's kernels at `shape` (already run once: no first-call work inside the profile)."""
+    input_ids = random_target_batch(target, *shape)
+    what = f"the {mode} forward at {shape[0]} x {shape[1]}"
+    return profile_table(lambda: target.features(input_ids), target.device, rows, what)
 
 
 def _time_shape(target: TargetModel, mode: str, rows: int, length: int, repeats: int) -> ShapeTiming:

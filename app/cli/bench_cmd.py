@@ -28,7 +28,12 @@ def drafter(
         ),
     ] = 790.0,
     profile: Annotated[
-        int, typer.Option("--profile", min=0, help="Also list one step's N most expensive operators.")
+        int,
+        typer.Option(
+            "--profile",
+            min=0,
+            help="Also list one step's N most expensive GPU kernels (host operators on a CPU).",
+        ),
     ] = 0,
 ) -> None:
     """Time drafter forward + backward + chunked loss steps; print throughput, FLOPs, memory, compile time."""
@@ -57,7 +62,7 @@ def target(
     ] = 790.0,
     profile: Annotated[
         int,
-        typer.Option("--profile", min=0, help="Also list the eager forward's N most expensive operators."),
+        typer.Option("--profile", min=0, help="Also list each mode's N most expensive GPU kernels."),
     ] = 0,
 ) -> None:
     """Time the frozen target's forward per batch shape of the run: eager, compiled, CUDA-graphed."""

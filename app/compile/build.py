@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from app.compile.apply import compile_drafter, reset_compiled_state
+from app.compile.apply import compile_drafter, compile_target, reset_compiled_state
 from app.compile.artifacts import (
     CacheEntry,
     CacheEntryError,
@@ -45,6 +45,7 @@ from app.compile.warmup import (
     uses_library_triton_kernels,
     warm_target_shapes,
     warm_up_drafter,
+    warm_up_target,
 )
 from app.config.schema import RunConfig
 from app.data.shapes import TargetShapes
@@ -121,13 +122,17 @@ def _compile_and_save(
         target_warm_s = warm_target_shapes(config, target, device, phase)
         shutil.copytree(dirs.triton, baked_triton)
 
-    phase("compiling drafter forward + backward + chunked loss at the run's shapes (cold)")
+    phase(
+        "compiling drafter forward + backward + chunked loss at the run's shapes, and the target's norms and MLPs (cold)"
+    )
     reset_compiled_state()
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     compile_drafter(drafter)
+    compile_target(target)
     step = new_step(config, drafter, target, device)
     before = read_counters()
     compile_s = warm_up_drafter(config, step)
+    phase(warm_up_target(config, target, device))  # its compiled norms and MLPs, at both shape ends
 
     phase(f"timing {TIMED_STEPS} optimizer steps (a recompile here fails the build)")
     enter_steady_state()

@@ -50,8 +50,9 @@ INDUCTOR_SETTINGS = (
 )
 """torch._inductor.config settings that change the generated kernels or whether caches are used."""
 
-COMPILED_SOURCES = ("app.model.attention", "app.model.drafter", "app.model.objective")
-"""Modules whose functions torch.compile traces: an edit there changes the compiled graphs."""
+COMPILED_SOURCES = ("app.model.attention", "app.model.drafter", "app.model.objective", "app.compile.apply")
+"""Modules whose functions torch.compile traces, or that decide what it traces and how (the target's
+modules and their flattened inputs): an edit there changes the compiled graphs."""
 
 KEY_HASH_CHARS = 16
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from app.compile.apply import compile_drafter
+from app.compile.apply import compile_drafter, compile_target
 from app.compile.artifacts import CacheEntry, CacheEntryError, find_entry, load_entry
 from app.compile.catalog import nearest_mismatch
 from app.compile.environment import ensure_user_and_home, key_inductor_dir, use_compile_dirs
@@ -97,8 +97,9 @@ def prepare_compiled_training(
     target this process runs (colocated), if any.
 
     On CPU (eager) this only checks the mode and returns. On CUDA: set up the cache directories,
-    load the cache whose key matches, compile the drafter's layers, warm up at the run's exact shapes
-    (and the target at its longest one), check the cache counters, then set the fail_on_recompile
+    load the cache whose key matches, compile the drafter's layers (and the target's norms and MLPs),
+    warm up at the run's exact shapes (the target at both ends of its shape set), check the cache
+    counters (the target's compiled modules included), then set the fail_on_recompile
     stance (wrap steps in `app.compile.recompile_errors()`).
     """
     drafter, device = step.drafter, step.device
@@ -122,13 +123,16 @@ def prepare_compiled_training(
         _warn_no_cache(cache_dir, report.key, fields, log)
 
     compile_drafter(drafter)
+    if target is not None:
+        compile_target(target)
     report.counters_before = read_counters()
     report.warmup_s = warm_up_drafter(config, step)
+    target_line = warm_up_target(config, target, device) if target is not None else None
     report.counters_after = read_counters()
     verify_fx_trace_flags()
     log(f"compile warm-up: {report.warmup_s:.1f}s ({report.warmup_counters.describe()})")
-    if target is not None:
-        log(warm_up_target(config, target, device))
+    if target_line:
+        log(target_line)
 
     counter_problems = cache_use_problems(report.warmup_counters, report.cache_loaded)
     for problem in counter_problems:
@@ -196,12 +200,12 @@ def _warn_no_cache(cache_dir: Path, key: str | None, fields: dict[str, Any], log
 
 
 def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log) -> Path | None:
-    """A target-only rank compiles nothing, but a hybrid target's library Triton kernels (40 s of JIT
-    per process) come from the baked entry: point the caches at the persistent dirs and copy them in.
+    """A target-only rank compiles the target's norms and MLPs (`compile_target`, in `TargetWorker`)
+    and runs a hybrid target's library Triton kernels (40 s of JIT per process): both come from the
+    baked entry. Point the caches at the persistent dirs and hot-load the entry of the run's key.
 
-    Returns the entry used, or None (eager device, no entry, or no Triton files in it).
+    Returns the entry used, or None (eager device, or no entry: the target compiles from scratch).
     """
-    from app.compile.artifacts import copy_triton_files
     from app.model.drafter import DrafterArch
 
     device = torch.device(device)
@@ -211,8 +215,9 @@ def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log)
     key = cache_key(key_fields(config, DrafterArch.from_config(config), device))
     dirs = use_compile_dirs(key_inductor_dir(config.compile, key))
     entry = find_entry(Path(config.compile.cache_dir).expanduser(), key)
-    if entry is None or entry.triton_path is None:
+    if entry is None:
+        log(f"WARNING: no compile cache for key {key}: this target rank compiles its norms and MLPs cold")
         return None
-    copy_triton_files(entry, dirs.triton)
-    log(f"compile cache: Triton files of {entry.key} copied into {dirs.triton}")
+    load_entry(entry, dirs.triton)
+    log(f"compile cache: loaded {entry.describe()} into {dirs.inductor}")
     return entry.path

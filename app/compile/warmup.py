@@ -157,16 +157,20 @@ def warm_target_shapes(config: RunConfig, target: TargetModel, device: torch.dev
 
 
 def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device) -> str:
-    """One target forward at the run's longest batch shape, on the main thread before any data
-    thread exists: the process's first use of each target kernel (loading the baked library ones,
-    cuBLAS, the allocator's growth) happens here, not in the first steps. Returns the log line."""
-    rows, length = TargetShapes.from_config(config.data).all[-1]
-    input_ids = random_target_batch(target, rows, length)
+    """One target forward at the run's longest and one at its shortest batch shape, on the main thread
+    before any data thread exists: the process's first use of each target kernel (loading the baked
+    library ones and the compiled norms and MLPs, cuBLAS, the allocator's growth) happens here, not in
+    the first steps. Both ends, so that whatever the compiled modules' token dim splits on (int32
+    indexing at large sizes) is loaded now, not compiled later. Returns the log line."""
+    shapes = TargetShapes.from_config(config.data).all
+    ends = [shapes[-1]] if len(shapes) == 1 else [shapes[-1], shapes[0]]
     started = time.perf_counter()
-    target.features(input_ids)
+    for rows, length in ends:
+        target.features(random_target_batch(target, rows, length))
     synchronize(device)
     conv = f"; linear-attention conv on {target.conv_kernel}" if target.conv_kernel else ""
-    return f"target warm-up: {time.perf_counter() - started:.1f}s (one forward at {rows}x{length}{conv})"
+    done = " and ".join(f"{rows}x{length}" for rows, length in ends)
+    return f"target warm-up: {time.perf_counter() - started:.1f}s (a forward at {done}{conv})"
 
 
 def random_target_batch(target: TargetModel, rows: int, length: int, seed: int = WARMUP_SEED) -> torch.Tensor:

@@ -7,7 +7,8 @@ serving engine stops) and the precision (the drafter under bf16 autocast on CUDA
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -49,11 +50,8 @@ class Evaluator:
         self.autocast_dtype = torch.bfloat16 if bf16 else None
 
     def __call__(self, drafter: DFlashDrafter) -> EvalResult:
-        """Chain tau of `drafter` and tree tau at each budget (in eval mode for the decodes; its
-        training mode is restored after)."""
-        was_training = drafter.training
-        drafter.eval()
-        try:
+        """Chain tau of `drafter` and tree tau at each budget."""
+        with decoding(drafter):
             result = evaluate_tau(
                 self.target,
                 drafter,
@@ -72,14 +70,10 @@ class Evaluator:
                 self.autocast_dtype,
             )
             return result
-        finally:
-            drafter.train(was_training)
 
     def check_lossless(self, drafter: DFlashDrafter, result: EvalResult) -> LosslessCheck:
         """`result` (this evaluator's decodes with `drafter`) against the target's plain greedy decode."""
-        was_training = drafter.training
-        drafter.eval()
-        try:
+        with decoding(drafter):
             return check_lossless(
                 self.target,
                 drafter,
@@ -89,8 +83,21 @@ class Evaluator:
                 self.stop_token_ids,
                 self.autocast_dtype,
             )
-        finally:
-            drafter.train(was_training)
+
+
+@contextlib.contextmanager
+def decoding(drafter: DFlashDrafter) -> Iterator[None]:
+    """The drafter in eval mode (its training mode restored after) and every torch.compile'd function
+    run eagerly: decoding's shapes change every round, and a training run's compiled modules (the
+    target's norms and MLPs, `app.compile.apply.compile_target`) would otherwise recompile for them,
+    which after warm-up is an error."""
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        drafter.train(was_training)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, target: TargetModel) -> list[int]:

@@ -130,6 +130,19 @@ class TargetModel:
         """The decoder layers `features()` runs: up to the deepest tapped one."""
         return list(self._layers[: max(self.layer_ids) + 1])
 
+    def position_wise_modules(self) -> list[nn.Module]:
+        """The modules of `layers_run` that act on each token alone, which `app.compile.apply.compile_target`
+        compiles: every RMSNorm-like norm (a class named `...RMSNorm` or `...RMSNormGated`, as in HF's
+        Llama and Qwen families) and each layer's dense MLP (`layer.mlp` of a class named `...MLP`; a
+        mixture-of-experts block routes tokens, so it is left as it is)."""
+        found: list[nn.Module] = []
+        for layer in self.layers_run:
+            found += [m for m in layer.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
+            mlp = getattr(layer, "mlp", None)
+            if mlp is not None and type(mlp).__name__.endswith("MLP"):
+                found.append(mlp)
+        return found
+
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from app.compile.apply import compile_target
+from app.compile.guard import enter_steady_state, recompile_errors
 from app.compile.library_jit import LibraryJitCounter
 from app.compile.warmup import warm_up_target
 from app.config import RunConfig
@@ -86,7 +88,10 @@ class TargetWorker:
         self.batches = 0
         self.forward_seconds = 0.0
         if runtime.device.type == "cuda":  # on the main thread, before the preparer thread exists
+            compile_target(self.target)
             log(warm_up_target(config, self.target, runtime.device))
+            if config.compile.fail_on_recompile:
+                enter_steady_state()
         # After the baked Triton files are in place and warm-up: what this rank's forwards add is library JIT.
         self.library_jit = LibraryJitCounter()
 
@@ -193,7 +198,8 @@ class TargetWorker:
             began, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record()
         batch = prepared.batch.to(device)
-        features = self.target.features(batch.input_ids)
+        with recompile_errors():
+            features = self.target.features(batch.input_ids)
         # Only the real tokens' features travel, padded to the row's fixed shape: every send is alike.
         padded = pad_features(real_token_features(batch, features), self.config.data.token_budget)
         if ready is not None:
