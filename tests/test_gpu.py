@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from app.telemetry.hardware import datasheet_peak
 from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import NonFiniteLoss, Trainer
 from tests.helpers import SMALL_VOCAB, random_target_config, run_dflash, small_drafter_raw_config
+from tests.jobs import ROOT, child_environment
 
 pytestmark = pytest.mark.gpu
 # The tier tests kernels, not the environment (the guard has its own tests): a GPU machine's torch
@@ -312,6 +314,38 @@ def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothi
     assert "library JIT:" not in done.stdout + done.stderr
     assert re.search(r"in \d+ target shapes: padding overhead", done.stdout)
     assert f"compile cache: loaded {entry.key}" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a split run puts each rank on its own GPU")
+def test_a_split_run_s_target_rank_starts_from_the_entry_and_recompiles_nothing(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
+) -> None:
+    """1 target + 1 drafter rank under torchrun on two GPUs: the target rank loads the baked entry,
+    compiles the target's norms and MLPs from it, warms up and takes the fail_on_recompile stance; the
+    run ends with nothing compiled after warm-up in either rank (on_cache_miss abort would stop it)."""
+    pytest.importorskip("fla")
+    config = hybrid_config(
+        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", persistent_tmp, max_steps=6
+    )
+    config.topology.target_ranks, config.topology.drafter_ranks, config.topology.nproc_per_node = 1, 1, 2
+    config.compile.on_cache_miss = "abort"
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    built = run_dflash("build-cache", str(config_file), timeout=600)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (entry,), _ = list_entries(Path(config.compile.cache_dir))
+    shutil.rmtree(persistent_tmp / "inductor")  # fresh containers: only the baked entry
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "app", "train", str(config_file)]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=child_environment()
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert output.count(f"compile cache: loaded {entry.key}") == 2, output  # the drafter and the target rank
+    assert output.count("target warm-up:") == 1 and "library JIT:" not in output
+    assert "RecompileError" not in output and "cache miss" not in output
 
 
 def bench_target_config(persistent_tmp: Path, monkeypatch):

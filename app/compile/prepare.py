@@ -221,3 +221,20 @@ def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log)
     load_entry(entry, dirs.triton)
     log(f"compile cache: loaded {entry.describe()} into {dirs.inductor}")
     return entry.path
+
+
+def start_target_rank(config: RunConfig, target: TargetModel, cache_loaded: bool, log: Log) -> None:
+    """A target rank's compile and warm-up, on its main thread before its preparer thread exists:
+    compile the target's norms and MLPs, warm up at both ends of the shape set, check the cache
+    counters like a drafter rank (`cache_loaded`: `prepare_target_rank` found the entry), then take the
+    fail_on_recompile stance (wrap forwards in `app.compile.recompile_errors()`). CUDA only."""
+    compile_target(target)
+    before = read_counters()
+    log(warm_up_target(config, target, target.device))
+    problems = cache_use_problems(read_counters() - before, cache_loaded)
+    for problem in problems:
+        log(f"error: {problem}")
+    if problems and config.compile.on_cache_miss == "abort":
+        raise CompileCacheMiss(f"{problems[0]} (compile.on_cache_miss = abort)")
+    if config.compile.fail_on_recompile:
+        enter_steady_state()

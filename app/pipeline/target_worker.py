@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from app.compile.apply import compile_target
-from app.compile.guard import enter_steady_state, recompile_errors
+from app.compile.guard import recompile_errors
 from app.compile.library_jit import LibraryJitCounter
-from app.compile.warmup import warm_up_target
+from app.compile.prepare import start_target_rank
 from app.config import RunConfig
 from app.data.batch import TargetBatch
 from app.data.batching import BatchPlanner, collate
@@ -66,7 +65,10 @@ class TargetWorker:
         planner: BatchPlanner,
         pad_id: int,
         log: Log,
+        *,
+        cache_loaded: bool,
     ) -> None:
+        """`cache_loaded`: `prepare_target_rank` loaded the run's compile-cache entry."""
         self.config = config
         self.runtime = runtime
         self.train_data = train_data
@@ -88,10 +90,7 @@ class TargetWorker:
         self.batches = 0
         self.forward_seconds = 0.0
         if runtime.device.type == "cuda":  # on the main thread, before the preparer thread exists
-            compile_target(self.target)
-            log(warm_up_target(config, self.target, runtime.device))
-            if config.compile.fail_on_recompile:
-                enter_steady_state()
+            start_target_rank(config, self.target, cache_loaded, log)
         # After the baked Triton files are in place and warm-up: what this rank's forwards add is library JIT.
         self.library_jit = LibraryJitCounter()
 

@@ -48,8 +48,10 @@ def run_target_rank(config: RunConfig, runtime: Runtime, log: Log) -> None:
         log(f"warning: DEGRADED target rank: {line}")
     # Main thread, before the worker's threads exist: a hybrid target's library Triton kernels come
     # from the baked compile-cache entry instead of 40 s of JIT in every process.
-    prepare_target_rank(config, runtime.device, log)
+    entry = prepare_target_rank(config, runtime.device, log)
     tokenizer = load_tokenizer(config)
     train_data, _ = load_run_data(config, tokenizer, runtime)
     planner = BatchPlanner.from_config(train_data.lengths, config.data, config.train.seed)
-    TargetWorker(config, runtime, train_data, planner, pad_token_id(tokenizer), log).run()
+    TargetWorker(
+        config, runtime, train_data, planner, pad_token_id(tokenizer), log, cache_loaded=entry is not None
+    ).run()
