@@ -134,12 +134,7 @@ def prepare_compiled_training(
     if target_line:
         log(target_line)
 
-    counter_problems = cache_use_problems(report.warmup_counters, report.cache_loaded)
-    for problem in counter_problems:
-        log(f"error: {problem}")
-    if counter_problems and compile_config.on_cache_miss == "abort":
-        raise CompileCacheMiss(f"{counter_problems[0]} (compile.on_cache_miss = abort)")
-    report.problems += counter_problems
+    report.problems += _reported_cache_use(report.warmup_counters, report.cache_loaded, config, log)
 
     if entry is not None and entry.triton_path is not None:
         # From here on (warm-up done, baked kernels in place) a new Triton cache entry is library JIT.
@@ -231,10 +226,19 @@ def start_target_rank(config: RunConfig, target: TargetModel, cache_loaded: bool
     compile_target(target)
     before = read_counters()
     log(warm_up_target(config, target, target.device))
-    problems = cache_use_problems(read_counters() - before, cache_loaded)
+    _reported_cache_use(read_counters() - before, cache_loaded, config, log)
+    if config.compile.fail_on_recompile:
+        enter_steady_state()
+
+
+def _reported_cache_use(
+    warmup: CompileCounters, cache_loaded: bool, config: RunConfig, log: Log
+) -> list[str]:
+    """The warm-up's cache misses and bypasses after a loaded entry (`cache_use_problems`), each logged
+    as an error line; the first ends the run with `compile.on_cache_miss = abort`."""
+    problems = cache_use_problems(warmup, cache_loaded)
     for problem in problems:
         log(f"error: {problem}")
     if problems and config.compile.on_cache_miss == "abort":
         raise CompileCacheMiss(f"{problems[0]} (compile.on_cache_miss = abort)")
-    if config.compile.fail_on_recompile:
-        enter_steady_state()
+    return problems
