@@ -242,6 +242,36 @@ def test_a_hybrid_target_s_conv_runs_on_a_fast_kernel_equal_to_the_reference() -
     torch.testing.assert_close(fast.float(), reference, atol=0.05, rtol=0.02)
 
 
+@pytest.mark.skipif(not FLA, reason="flash-linear-attention is not installed here")
+def test_a_hybrid_target_s_delta_rule_gets_contiguous_q_k_v_and_the_features_of_transformers(
+    monkeypatch,
+) -> None:
+    """The copy-free Gated DeltaNet forward (`app.model.gated_deltanet`) hands flash-linear-attention
+    contiguous q, k and v with grouped value heads (nothing for its kernel to copy or repeat), and
+    its features are transformers' own forward's to bf16 rounding."""
+    config = validate_config(
+        {"target": {"architecture": TINY_HYBRID}, "drafter": {"num_layers": 1, "mask_token_id": 3}}
+    )
+    target = load_target(config, "cuda")
+    layers = [layer.linear_attn for layer in target.layers_run if hasattr(layer, "linear_attn")]
+    modeling = sys.modules[type(layers[0]).__module__]
+    rule, handed = modeling.torch_chunk_gated_delta_rule, []
+
+    def recording_rule(query, key, value, **kwargs):
+        handed.append([(t.shape[2], t.is_contiguous()) for t in (query, key, value)])
+        return rule(query, key, value, **kwargs)
+
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", recording_rule)
+    batch = random_target_batch(target, 3, 1024)
+    copy_free = target.features(batch)
+    assert handed == [[(2, True), (2, True), (4, True)]] * len(layers)
+    for layer in layers:
+        del layer.forward  # transformers' own forward
+    reference = target.features(batch)
+    error = (copy_free.float() - reference.float()).norm() / reference.float().norm()
+    assert error < 1e-2, float(error)
+
+
 def test_a_colocated_run_warms_the_target_up_before_its_first_step(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:

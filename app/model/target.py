@@ -20,6 +20,7 @@ from app.config import default_target_layer_ids
 from app.config.schema import BUILTIN_TARGETS, DrafterConfig, RunConfig, TargetConfig
 from app.errors import UserError
 from app.model.causal_conv import use_fast_causal_conv
+from app.model.gated_deltanet import use_copy_free_gated_deltanet
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json")
 
@@ -89,6 +90,7 @@ def load_target(config: RunConfig, device: torch.device | str) -> TargetModel:
         model = _random_model(target, device, dtype)
     layer_ids = resolve_layer_ids(config.drafter, model.config.get_text_config().num_hidden_layers)
     conv_kernel = use_fast_causal_conv(model, device)
+    use_copy_free_gated_deltanet(model)
     return TargetModel(model, layer_ids, conv_kernel)
 
 
