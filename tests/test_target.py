@@ -253,21 +253,23 @@ def test_the_conv_kernel_is_causal_conv1d_s_else_flash_linear_attention_s_and_na
     assert dense.conv_kernel is None
 
 
-POSITION_WISE = {
-    "qwen3": ({"Qwen3RMSNorm", "Qwen3MLP"}, 4 * 5),  # per layer: 2 norms, q and k norms, the MLP
-    "qwen3_5_text": ({"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "Qwen3_5MLP"}, 2 * 4 + 2 * 5),
+POSITION_WISE = {  # the compiled module kinds, how many modules, how many graphs
+    # per layer: 2 norms, q and k norms, the MLP; graphs: the MLP, the norm at hidden size and at head
+    # dim, RoPE
+    "qwen3": ({"Qwen3RMSNorm", "Qwen3MLP"}, 4 * 5, 4),
+    # + the gated norm, and the q norm over a query read in place from the gated q projection
+    "qwen3_5_text": ({"Qwen3_5RMSNorm", "Qwen3_5RMSNormGated", "Qwen3_5MLP"}, 2 * 4 + 2 * 5, 6),
     # every layer's MLP is a mixture of experts, which routes tokens: left eager
-    "qwen3_next": ({"Qwen3NextRMSNorm", "Qwen3NextRMSNormGated"}, 2 * 3 + 2 * 4),
+    "qwen3_next": ({"Qwen3NextRMSNorm", "Qwen3NextRMSNormGated"}, 2 * 3 + 2 * 4, 5),
 }
 
 
 @pytest.mark.parametrize("architecture", sorted(POSITION_WISE))
-def test_the_target_s_norms_and_mlps_compile_once_for_every_batch_shape(architecture, monkeypatch):
-    """`compile_target` puts each norm and dense MLP under torch.compile over a dynamic token dim:
+def test_the_target_s_norms_mlps_and_rope_compile_once_for_every_batch_shape(architecture, monkeypatch):
+    """`compile_target` puts each norm, dense MLP and RoPE under torch.compile over a dynamic token dim:
     one graph per module kind serves every batch shape, so a new shape after warm-up compiles
     nothing (the fail_on_recompile stance would raise) and the features are unchanged (a mixture of
-    experts stays eager). Eval's
-    decoding (one token at a time) runs them eagerly; outside `decoding` it would be a recompile.
+    experts stays eager). Eval's decoding (one token at a time) runs them eagerly; outside `decoding` it would be a recompile.
     Dynamo's tracing and guards are real; only code generation is skipped (backend eager: CPU CI
     has no inductor toolchain to rely on)."""
     from torch._dynamo.utils import counters
@@ -276,7 +278,7 @@ def test_the_target_s_norms_and_mlps_compile_once_for_every_batch_shape(architec
     from app.evaluate.evaluator import decoding
     from app.model.drafter import DFlashDrafter, DrafterArch
 
-    # The same operations; a contiguous copy of a strided input may only change a reduction's order.
+    # The same operations; fused, they may only change a reduction's order.
     same = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     torch.compiler.reset()
@@ -284,15 +286,16 @@ def test_the_target_s_norms_and_mlps_compile_once_for_every_batch_shape(architec
     target = load_target(config, "cpu")
     batches = [torch.randint(0, 128, shape) for shape in [(4, 64), (2, 128), (3, 96)]]
     expected = [target.features(batch) for batch in batches]
-    kinds, count = POSITION_WISE[architecture]
+    kinds, count, graphs = POSITION_WISE[architecture]
     assert {type(module).__name__ for module in target.position_wise_modules()} == kinds
+    for modeling in target.rotary_modeling_modules():  # compile_target replaces it: restored after the test
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
     assert compile_target(target) == count
     counters.clear()
     try:
         for batch, reference in zip(batches[:2], expected[:2], strict=True):  # warm-up: two shapes
             same(target.features(batch), reference)
-        graphs = counters["stats"]["unique_graphs"]
-        assert 0 < graphs <= len(kinds) + 1  # the norm class twice: hidden size and head dim
+        assert counters["stats"]["unique_graphs"] == graphs
         torch.compiler.set_stance("fail_on_recompile")
         same(target.features(batches[2]), expected[2])  # a new shape: nothing compiles
         assert counters["stats"]["unique_graphs"] == graphs

@@ -4,7 +4,7 @@ The target is the slowest stage on the production class, so its forward is measu
 (rows, length) shape of the run's set (`TargetShapes`), three ways:
 
 - `eager`: `TargetModel.features` with nothing compiled;
-- `compiled`: as training runs it: the norms and MLPs compiled over a dynamic token dim
+- `compiled`: as training runs it: the norms, MLPs and RoPE compiled over a dynamic token dim
   (`app.compile.apply.compile_target`; projections, attention and library kernels such as
   flash-linear-attention's stay as they are);
 - `cudagraph`: the eager forward captured once per shape in a CUDA graph and replayed (launch

@@ -5,7 +5,7 @@ thread (compiling flex_attention from several threads at once broke the incident
 What compiles (CUDA only): every decoder layer and norm of the drafter (fuses the norms, RoPE and
 SwiGLU around the attention), flex_attention with the training BlockMask, and the loss's
 cross-entropy chunk (fuses its softmax passes over the vocab), all with dynamic=False (the shapes are
-fixed); and the target's norms and MLPs, dynamic in the token count only (`compile_target`). On CPU
+fixed); and the target's norms, MLPs and RoPE, dynamic in the token count only (`compile_target`). On CPU
 nothing compiles: the compiled flex backward fails there, and training runs eager SDPA.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch.compiler._cache import CacheArtifactManager
@@ -38,34 +39,44 @@ def compile_drafter(drafter: DFlashDrafter) -> None:
 
 def compile_target(target: TargetModel) -> int:
     """Compile the target's position-wise modules (`TargetModel.position_wise_modules`: its norms and
-    dense MLPs) over a flat, dynamic token dimension; returns how many. Call on the main thread
-    before the target's warm-up (`warm_up_target` runs both ends of the shape set).
+    dense MLPs) and its attention layers' RoPE over a flat, dynamic token dimension; returns how many
+    modules. Call on the main thread before the target's warm-up (`warm_up_target` runs both ends of
+    the shape set).
 
     In eager HF code each fp32 norm is five or six full passes over the activations (cast, square,
-    mean, scale, weight, cast back): a quarter of a 27B hybrid forward on an H200. Compiled, a norm is
-    one read and one write. Every input is flattened to `[tokens, features]` with the token dim
-    marked dynamic, so one graph per module kind serves every batch shape of the run (and recompiling
-    never happens for a new shape). The projections (cuBLAS), attention and library kernels such as
+    mean, scale, weight, cast back), a quarter of a 27B hybrid forward on an H200, and RoPE is a
+    dozen (slices, negation, two concatenations, products and sums). Compiled, each is one read and
+    one write. Every input is flattened to `[tokens, ...]` with the token dim marked dynamic, so one
+    graph per module kind and layout serves every batch shape of the run (and recompiling never
+    happens for a new shape). The projections (cuBLAS), attention and library kernels such as
     flash-linear-attention's stay as they are: whole decoder layers compiled measured 0.87-0.96x of
-    eager. Eval's cached decoding calls these modules at other shapes: it runs under the
-    `force_eager` stance (`app.evaluate.evaluator`)."""
+    eager. Eval's cached decoding calls these at other shapes: it runs under the `force_eager`
+    stance (`app.evaluate.evaluator`)."""
     require_main_thread("the target's position-wise modules")
     modules = target.position_wise_modules()
     for module in modules:
         module.forward = _over_flat_tokens(torch.compile(module.forward))
+    for modeling in target.rotary_modeling_modules():
+        original = _TRANSFORMERS_ROTARY.setdefault(modeling, modeling.apply_rotary_pos_emb)
+        modeling.apply_rotary_pos_emb = _rotary_over_flat_tokens(torch.compile(original), original)
     return len(modules)
 
 
+# transformers' own `apply_rotary_pos_emb` per modeling module, so compiling a second target of the
+# same module wraps the original, not the first wrapper
+_TRANSFORMERS_ROTARY: dict[ModuleType, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
 def _over_flat_tokens(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`compiled` called with its tensor arguments flattened to contiguous `[tokens, last dim]`, the
-    token dim marked dynamic (a batch's is at least 2, above dynamo's size-1 specialisation), the
-    result viewed back to the first argument's leading dims. Contiguous, because a strided input (a
-    query split from a fused projection) would be a graph of its own per layout."""
+    """`compiled` called with its tensor arguments flattened to `[tokens, last dim]` (a view where
+    the layout allows: a query split from a fused projection is read in place, a graph of its own),
+    the token dim marked dynamic (a batch's is at least 2, above dynamo's size-1 specialisation),
+    the result viewed back to the first argument's leading dims."""
 
     def flat(value: object) -> object:
         if not isinstance(value, torch.Tensor):
             return value
-        tokens = value.reshape(-1, value.shape[-1]).contiguous()
+        tokens = _unrelated(value.reshape(-1, value.shape[-1]))
         torch._dynamo.mark_dynamic(tokens, 0)
         return tokens
 
@@ -75,6 +86,43 @@ def _over_flat_tokens(compiled: Callable[..., torch.Tensor]) -> Callable[..., to
         return output.view(*leading, output.shape[-1])
 
     return forward
+
+
+def _unrelated(view: torch.Tensor) -> torch.Tensor:
+    """`view` without its autograd link to the tensor it views (the target is frozen): dynamo guards
+    a view on its base's shape, which differs per batch shape and would recompile each new one."""
+    return view.detach()
+
+
+def _rotary_over_flat_tokens(
+    compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    original: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """transformers' `apply_rotary_pos_emb(q, k, cos, sin)` (q, k `[B, heads, T, D]`, cos and sin
+    `[B or 1, T, rotary dim]`) computed by `compiled` over `[B*T, heads, D]`, the token dim dynamic.
+    The results come back token-major (`[B, T, heads, D]` in memory, viewed as `[B, heads, T, D]`):
+    the layout attention kernels read natively, and in which their output needs no copy to go back
+    to `[B, T, hidden]`. Other layouts or call forms go to `original`."""
+
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
+        if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        batch, _, length, _ = q.shape
+
+        def tokens(x: torch.Tensor) -> torch.Tensor:
+            flat = _unrelated(x.transpose(1, 2).reshape(batch * length, *x.shape[1:2], x.shape[-1]))
+            torch._dynamo.mark_dynamic(flat, 0)
+            return flat
+
+        def angles(x: torch.Tensor) -> torch.Tensor:
+            flat = _unrelated(x.expand(batch, length, x.shape[-1]).reshape(batch * length, x.shape[-1]))
+            torch._dynamo.mark_dynamic(flat, 0)
+            return flat
+
+        q_out, k_out = compiled(tokens(q), tokens(k), angles(cos), angles(sin))
+        return tuple(out.view(batch, length, *out.shape[1:]).transpose(1, 2) for out in (q_out, k_out))
+
+    return apply
 
 
 @functools.cache

@@ -123,7 +123,7 @@ def _compile_and_save(
         shutil.copytree(dirs.triton, baked_triton)
 
     phase(
-        "compiling drafter forward + backward + chunked loss at the run's shapes, and the target's norms and MLPs (cold)"
+        "compiling drafter forward + backward + chunked loss at the run's shapes, and the target's norms, MLPs and RoPE (cold)"
     )
     reset_compiled_state()
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
@@ -132,7 +132,7 @@ def _compile_and_save(
     step = new_step(config, drafter, target, device)
     before = read_counters()
     compile_s = warm_up_drafter(config, step)
-    phase(warm_up_target(config, target, device))  # its compiled norms and MLPs, at both shape ends
+    phase(warm_up_target(config, target, device))  # its compiled norms, MLPs and RoPE, at both shape ends
 
     phase(f"timing {TIMED_STEPS} optimizer steps (a recompile here fails the build)")
     enter_steady_state()

@@ -50,9 +50,17 @@ INDUCTOR_SETTINGS = (
 )
 """torch._inductor.config settings that change the generated kernels or whether caches are used."""
 
-COMPILED_SOURCES = ("app.model.attention", "app.model.drafter", "app.model.objective", "app.compile.apply")
+COMPILED_SOURCES = (
+    "app.model.attention",
+    "app.model.drafter",
+    "app.model.objective",
+    "app.compile.apply",
+    "app.model.gated_deltanet",
+)
 """Modules whose functions torch.compile traces, or that decide what it traces and how (the target's
-modules and their flattened inputs): an edit there changes the compiled graphs."""
+modules and their flattened inputs), or which shapes the baked library kernels are built for (the
+hybrid target's q, k and v as flash-linear-attention's kernels get them): an edit there changes the
+entry's contents."""
 
 KEY_HASH_CHARS = 16
 

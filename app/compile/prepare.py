@@ -97,7 +97,7 @@ def prepare_compiled_training(
     target this process runs (colocated), if any.
 
     On CPU (eager) this only checks the mode and returns. On CUDA: set up the cache directories,
-    load the cache whose key matches, compile the drafter's layers (and the target's norms and MLPs),
+    load the cache whose key matches, compile the drafter's layers (and the target's norms, MLPs and RoPE),
     warm up at the run's exact shapes (the target at both ends of its shape set), check the cache
     counters (the target's compiled modules included), then set the fail_on_recompile
     stance (wrap steps in `app.compile.recompile_errors()`).
@@ -195,7 +195,7 @@ def _warn_no_cache(cache_dir: Path, key: str | None, fields: dict[str, Any], log
 
 
 def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log) -> Path | None:
-    """A target-only rank compiles the target's norms and MLPs (`compile_target`, in `TargetWorker`)
+    """A target-only rank compiles the target's norms, MLPs and RoPE (`compile_target`, in `TargetWorker`)
     and runs a hybrid target's library Triton kernels (40 s of JIT per process): both come from the
     baked entry. Point the caches at the persistent dirs and hot-load the entry of the run's key.
 
@@ -211,7 +211,9 @@ def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log)
     dirs = use_compile_dirs(key_inductor_dir(config.compile, key))
     entry = find_entry(Path(config.compile.cache_dir).expanduser(), key)
     if entry is None:
-        log(f"WARNING: no compile cache for key {key}: this target rank compiles its norms and MLPs cold")
+        log(
+            f"WARNING: no compile cache for key {key}: this target rank compiles its norms, MLPs and RoPE cold"
+        )
         return None
     load_entry(entry, dirs.triton)
     log(f"compile cache: loaded {entry.describe()} into {dirs.inductor}")
@@ -220,7 +222,7 @@ def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log)
 
 def start_target_rank(config: RunConfig, target: TargetModel, cache_loaded: bool, log: Log) -> None:
     """A target rank's compile and warm-up, on its main thread before its preparer thread exists:
-    compile the target's norms and MLPs, warm up at both ends of the shape set, check the cache
+    compile the target's norms, MLPs and RoPE, warm up at both ends of the shape set, check the cache
     counters like a drafter rank (`cache_loaded`: `prepare_target_rank` found the entry), then take the
     fail_on_recompile stance (wrap forwards in `app.compile.recompile_errors()`). CUDA only."""
     compile_target(target)

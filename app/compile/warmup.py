@@ -159,7 +159,7 @@ def warm_target_shapes(config: RunConfig, target: TargetModel, device: torch.dev
 def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device) -> str:
     """One target forward at the run's longest and one at its shortest batch shape, on the main thread
     before any data thread exists: the process's first use of each target kernel (loading the baked
-    library ones and the compiled norms and MLPs, cuBLAS, the allocator's growth) happens here, not in
+    library ones and the compiled norms, MLPs and RoPE, cuBLAS, the allocator's growth) happens here, not in
     the first steps. Both ends, so that whatever the compiled modules' token dim splits on (int32
     indexing at large sizes) is loaded now, not compiled later. Returns the log line."""
     shapes = TargetShapes.from_config(config.data).all

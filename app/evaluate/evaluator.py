@@ -89,7 +89,7 @@ class Evaluator:
 def decoding(drafter: DFlashDrafter) -> Iterator[None]:
     """The drafter in eval mode (its training mode restored after) and every torch.compile'd function
     run eagerly: decoding's shapes change every round, and a training run's compiled modules (the
-    target's norms and MLPs, `app.compile.apply.compile_target`) would otherwise recompile for them,
+    target's norms, MLPs and RoPE, `app.compile.apply.compile_target`) would otherwise recompile for them,
     which after warm-up is an error."""
     was_training = drafter.training
     drafter.eval()

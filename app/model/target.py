@@ -9,7 +9,9 @@ final norm and the LM head never run for features.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -144,6 +146,16 @@ class TargetModel:
             if mlp is not None and type(mlp).__name__.endswith("MLP"):
                 found.append(mlp)
         return found
+
+    def rotary_modeling_modules(self) -> list[ModuleType]:
+        """The transformers modeling modules whose `apply_rotary_pos_emb` the attention layers of
+        `layers_run` call (looked up in the module at each call, so a compiled one can take its place)."""
+        found = {
+            sys.modules[type(attention).__module__]
+            for layer in self.layers_run
+            if (attention := getattr(layer, "self_attn", None)) is not None
+        }
+        return sorted((m for m in found if hasattr(m, "apply_rotary_pos_emb")), key=lambda m: m.__name__)
 
     @property
     def device(self) -> torch.device:
