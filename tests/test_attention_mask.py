@@ -7,8 +7,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from app.data.batch import DrafterRow
 from app.data.synthetic import synthetic_row
-from app.model.attention import _training_mask_mod as training_mask_mod
 from app.model.attention import (
+    _query_intervals,
+    _training_mask_mod,
     dense_training_mask,
     eager_flex_attention,
     training_attention,
@@ -141,8 +142,9 @@ BLOCK_MASK_TENSORS = (
 @pytest.mark.parametrize("block_size", [4, 16, 12])  # 12 does not divide flex's 128-wide tiles
 @pytest.mark.parametrize("window", [None, 9, 200, 2])
 def test_block_mask_is_the_one_create_block_mask_makes_from_the_rule(row, block_size, window):
-    """Built from the rule's intervals, the BlockMask is create_block_mask's, tensor for tensor."""
-    mask_mod = training_mask_mod(row, block_size, window)
+    """The tiles classified from the rule's intervals are the ones create_block_mask finds by
+    evaluating the mask_mod at every pair: the BlockMask is its, tensor for tensor."""
+    mask_mod = _training_mask_mod(*_query_intervals(row, block_size, window))
     query_len = row.anchor_positions.shape[0] * block_size
     key_len = row.input_ids.shape[0] + query_len
     expected = create_block_mask(mask_mod, None, None, query_len, key_len, device="cpu")

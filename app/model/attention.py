@@ -101,7 +101,7 @@ def dense_training_mask(row: DrafterRow, block_size: int, sliding_window: int | 
     device = row.input_ids.device
     queries = torch.arange(query_len, device=device)[:, None]
     keys = torch.arange(row.input_ids.shape[0] + query_len, device=device)[None, :]
-    return _training_mask_mod(row, block_size, sliding_window)(0, 0, queries, keys)
+    return _training_mask_mod(*_query_intervals(row, block_size, sliding_window))(0, 0, queries, keys)
 
 
 FLEX_TILE = 128
@@ -122,26 +122,25 @@ def training_block_mask(row: DrafterRow, block_size: int, sliding_window: int | 
     context_len = row.input_ids.shape[0]
     query_len = row.anchor_positions.shape[0] * block_size
     key_len = context_len + query_len
-    seen, full = _visible_tiles(row, block_size, sliding_window, key_len)
+    starts, ends = _query_intervals(row, block_size, sliding_window)
+    seen, full = _visible_tiles(starts, ends, key_len)
     partial_tiles, full_tiles = _ordered_tiles(seen & ~full), _ordered_tiles(full)
     return BlockMask.from_kv_blocks(
         *partial_tiles,
         *full_tiles,
         BLOCK_SIZE=FLEX_TILE,
-        mask_mod=_training_mask_mod(row, block_size, sliding_window),
+        mask_mod=_training_mask_mod(starts, ends),
         seq_lengths=(query_len, key_len),
     )
 
 
-def _visible_tiles(
-    row: DrafterRow, block_size: int, sliding_window: int | None, key_len: int
+def _query_intervals(
+    row: DrafterRow, block_size: int, sliding_window: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[query tiles, key tiles]` bools: some query of the tile sees some key of it; all see all.
-
-    Per query, what it sees is two intervals of keys: context [context_start, anchor) and its own
-    block's keys [block_start, block_end). Tiles past the last query or key are padding, as in
-    `create_block_mask`: they see nothing, so a tile holding any is never full.
-    """
+    """The rule, per query: the keys it sees are two intervals, context [context_start, anchor) and
+    its own block's keys [block_start, block_end). Returns `starts` and `ends`, `[interval, query]`
+    int32, the queries padded to whole 128-query tiles; padding queries and unused anchor slots see
+    nothing (empty intervals)."""
     context_len = row.input_ids.shape[0]
     device = row.input_ids.device
     queries = torch.arange(row.anchor_positions.shape[0] * block_size, device=device)
@@ -155,18 +154,24 @@ def _visible_tiles(
         context_start = torch.maximum(context_start, window_start)
         block_end = block_start + offset + 1
         block_start = block_start + (window_start - anchor).clamp(min=0)
-
-    tile_start = torch.arange(0, key_len, FLEX_TILE, device=device)
-    tile_end = tile_start + FLEX_TILE
-    starts = torch.stack([context_start, block_start])[:, :, None]  # [interval, query, 1]
-    ends = torch.stack([anchor, block_end])[:, :, None]
-    valid = row.anchor_valid[slot][:, None]
-    sees_some = valid & (torch.maximum(starts, tile_start) < torch.minimum(ends, tile_end)).any(0)
-    sees_all = valid & ((starts <= tile_start) & (tile_end <= ends)).any(0)
+    starts = torch.stack([context_start, block_start])
+    ends = torch.stack([anchor, block_end]) * row.anchor_valid[slot]  # an unused slot's end 0: empty
     padding = -len(queries) % FLEX_TILE
-    sees_some, sees_all = (
-        F.pad(tiles, (0, 0, 0, padding)).unflatten(0, (-1, FLEX_TILE)) for tiles in (sees_some, sees_all)
-    )
+    return tuple(F.pad(bounds, (0, padding)).to(torch.int32) for bounds in (starts, ends))
+
+
+def _visible_tiles(
+    starts: torch.Tensor, ends: torch.Tensor, key_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[query tiles, key tiles]` bools: some query of the tile sees some key of it; all see all.
+    Tiles past the last query or key are padding, as in `create_block_mask`: they see nothing, so a
+    tile holding any is never full."""
+    tile_start = torch.arange(0, key_len, FLEX_TILE, device=starts.device, dtype=torch.int32)
+    tile_end = tile_start + FLEX_TILE
+    starts, ends = starts[:, :, None], ends[:, :, None]  # [interval, query, 1]
+    sees_some = (torch.maximum(starts, tile_start) < torch.minimum(ends, tile_end)).any(0)
+    sees_all = ((starts <= tile_start) & (tile_end <= ends)).any(0)
+    sees_some, sees_all = (tiles.unflatten(0, (-1, FLEX_TILE)) for tiles in (sees_some, sees_all))
     return sees_some.any(1), sees_all.all(1)
 
 
@@ -187,30 +192,16 @@ def _ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None].contiguous(), indices[None, None].contiguous()
 
 
-def _training_mask_mod(row: DrafterRow, block_size: int, sliding_window: int | None) -> Callable:
-    context_len = row.input_ids.shape[0]
-    last_anchor_slot = row.anchor_positions.shape[0] - 1
-    document_ids = row.document_ids
-    anchor_positions = row.anchor_positions
-    anchor_valid = row.anchor_valid
+def _training_mask_mod(starts: torch.Tensor, ends: torch.Tensor) -> Callable:
+    """The rule as flex evaluates it in partial tiles: a query's two key intervals looked up by its
+    index (`_query_intervals`), four comparisons per (query, key) pair. The kernels evaluate this at
+    every pair of a partial tile in the forward and twice in the backward, so it is kept to loads
+    indexed by the query alone (one per tile row) and a few integer ops."""
+    context_start, block_start = starts
+    context_end, block_end = ends
 
     def mask_mod(batch, head, q_idx, kv_idx):
-        # Kernels evaluate whole 128-wide tiles, so q_idx may run past the last block: clamp before indexing.
-        block = torch.clamp(q_idx // block_size, max=last_anchor_slot)
-        anchor = anchor_positions[block]
-        context_idx = torch.clamp(kv_idx, max=context_len - 1)
-        sees_context = (
-            (kv_idx < context_len)
-            & (context_idx < anchor)
-            & (document_ids[context_idx] == document_ids[anchor])
-        )
-        block_key = kv_idx - context_len  # negative on context keys, so never equal to a block index there
-        sees_block = (block_key >= 0) & (block_key // block_size == block)
-        if sliding_window is not None:  # the per-query window (module docstring)
-            offset = q_idx % block_size
-            sees_context = sees_context & (context_idx >= anchor + offset - (sliding_window - 1))
-            key_slot = block_key % block_size
-            sees_block = sees_block & (key_slot <= offset) & (key_slot >= offset - (sliding_window - 1))
-        return anchor_valid[block] & (sees_context | sees_block)
+        sees_context = (context_start[q_idx] <= kv_idx) & (kv_idx < context_end[q_idx])
+        return sees_context | ((block_start[q_idx] <= kv_idx) & (kv_idx < block_end[q_idx]))
 
     return mask_mod
