@@ -8,21 +8,15 @@ import torch
 
 from app.config import validate_config
 from app.model.target import load_target
+from tests.test_target import LINEAR_ATTENTION, TEXT
 
-GROUPED = {  # value heads grouped over key heads (48 over 16 in Qwen3.6-27B), key and value dims apart
+# value heads grouped over key heads (48 over 16 in Qwen3.6-27B), key and value head dims apart
+GROUPED = {
     "model_type": "qwen3_5_text",
-    "vocab_size": 128,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
+    **TEXT,
+    **LINEAR_ATTENTION,  # layers 0, 2 linear attention; 1, 3 full attention
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 8,
-    "linear_value_head_dim": 16,
-    "full_attention_interval": 2,  # layers 0, 2 linear attention; 1, 3 full attention
 }
 
 
