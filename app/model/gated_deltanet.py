@@ -79,12 +79,17 @@ def copy_free_forward(
             layer.in_proj_qkv.weight.split(sizes), conv_weights, conv_biases, strict=True
         )
     )
+    # a and b in one matmul: each is a few columns, and a matmul that narrow costs a full read of the
+    # hidden states (0.14 ms at 3 x 16384 tokens on an H200, per layer)
+    a, b = F.linear(hidden_states, torch.cat([layer.in_proj_a.weight, layer.in_proj_b.weight])).chunk(
+        2, dim=-1
+    )
     core, _ = modeling.torch_chunk_gated_delta_rule(
         query.view(batch, length, -1, layer.head_k_dim),
         key.view(batch, length, -1, layer.head_k_dim),
         value.view(batch, length, -1, layer.head_v_dim),
-        g=-layer.A_log.float().exp() * F.softplus(layer.in_proj_a(hidden_states).float() + layer.dt_bias),
-        beta=layer.in_proj_b(hidden_states).sigmoid(),
+        g=-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias),
+        beta=b.sigmoid(),
         initial_state=None,
         output_final_state=False,
         use_qk_l2norm_in_kernel=True,
