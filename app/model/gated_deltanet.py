@@ -5,7 +5,8 @@ q, k and v arrive at the chunked delta-rule kernel as strided views of one `[B, 
 tensor, and flash-linear-attention's kernel copies each into a contiguous tensor first. In a
 64-layer Qwen3.6-27B forward that is three copies of every linear-attention layer's q, k and v, the
 largest cost outside matmuls, attention and library kernels that the profile of the compiled
-target shows on an H200. The conv is depthwise and the projection's output rows are independent,
+target showed on an H200 (with RoPE compiled, removing them took that forward at 3 x 16384 tokens
+from 11.69K to 11.98K tok/s; BENCHMARKS.md). The conv is depthwise and the projection's output rows are independent,
 so projecting and convolving q, k and v apart computes the same values, each in its own contiguous
 tensor: `copy_free_forward`, for the calls that carry no cache and no mask (the target's feature
 passes). Eval's cached decoding and masked calls keep transformers' forward.
@@ -30,9 +31,10 @@ _STATEFUL_ARGUMENTS = ("cache", "cache_params", "attention_mask", "cu_seq_lens_q
 
 def use_copy_free_gated_deltanet(model: nn.Module) -> None:
     """Give every Qwen3.5-style Gated DeltaNet layer of `model` (a fused `in_proj_qkv` and a
-    depthwise `conv1d`) the copy-free feature forward. q and k reach the delta rule with their own head count (grouped value heads), which flash-linear-attention's kernel and
-    transformers >= 5.24's reference take; an older transformers without flash-linear-attention
-    repeats the heads itself, so its layers are left as they are."""
+    depthwise `conv1d`) the copy-free feature forward. q and k reach the delta rule with their own
+    head count (grouped value heads), which flash-linear-attention's kernel and transformers >= 5.24's
+    reference take; an older transformers without flash-linear-attention repeats the heads itself, so
+    its layers are left as they are."""
     if not _grouped_heads_supported():
         return
     for layer in [module for module in model.modules() if _is_fused_qkv_layer(module)]:
