@@ -1,9 +1,16 @@
 """The compile-start benchmark's report: medians of cold and warm starts, counters, kernel tuning.
 
 The starts themselves need a GPU (the benchmark runs them on the GPU machine); this checks what it
-makes of their results."""
+makes of their results, and that bad input stops it before the first start."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from app.bench.compile_start import format_table, start_names
 
@@ -57,3 +64,25 @@ def test_ratio_is_median_warm_over_median_cold():
     assert "(of which kernel tuning 0.40s)" in table and "(of which kernel tuning 3.30s)" in table
     cold_row = next(line for line in table.splitlines() if line.startswith("cold2 "))
     assert "0/10/0" in cold_row and "52.0s" in cold_row
+
+
+@pytest.mark.parametrize(
+    ("overrides", "workdir", "message"),
+    [
+        ([], "/tmp/dflash-compile-start", "--workdir: /tmp/dflash-compile-start is under /tmp"),
+        (["train.nope=1"], "{home}/compile-start", "unknown key 'train.nope'"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_before_any_start_runs(tmp_path, overrides, workdir, message):
+    """Every start child would otherwise fail on it one after the other, each with a traceback."""
+    workdir = workdir.format(home=tmp_path)
+    env = {**os.environ, "HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "app.bench.compile_start", "run", "configs/qwen3-8b-h200.toml"]
+    done = subprocess.run(
+        [*command, *overrides, "--workdir", workdir], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "===" not in done.stdout  # no start ran
+    assert not Path(workdir).exists()

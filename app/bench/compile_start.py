@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.bench.child import emit, run_child
+from app.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +49,14 @@ FEATURE_POOL = 2
 
 def main() -> None:
     args = build_parser().parse_args()
+    try:
+        run_phase(args)
+    except UserError as error:
+        print(f"compile_start: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run_phase(args: argparse.Namespace) -> None:
     if args.phase == "start":
         emit(run_start(args.config, args.overrides, args.steps))
     elif args.phase == "build":
@@ -76,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def orchestrate(args: argparse.Namespace) -> None:
-    workdir = args.workdir.absolute()
+    workdir = check_inputs(args)
     workdir.mkdir(parents=True, exist_ok=True)
     cold_inductor, inductor = workdir / "inductor-cold", workdir / "inductor"
     cold = [f"compile.cache_dir={workdir / 'no_cache'}", f"compile.inductor_dir={cold_inductor}"]
@@ -98,6 +107,20 @@ def orchestrate(args: argparse.Namespace) -> None:
         if args.out:
             args.out.write_text(json.dumps(results, indent=2, default=str))
     print(format_table(results))
+
+
+def check_inputs(args: argparse.Namespace) -> Path:
+    """The absolute workdir, after the checks every child would otherwise fail on one by one, each
+    with its traceback: the config and its overrides load, and the workdir (which holds the inductor
+    dirs) is not under /tmp."""
+    from app.config import load_config
+    from app.env.fingerprint import is_under_tmp
+
+    load_config(args.config, args.overrides)
+    workdir = args.workdir.absolute()
+    if is_under_tmp(str(workdir)):
+        raise UserError(f"--workdir: {workdir} is under /tmp, where cleanups delete compiled kernels")
+    return workdir
 
 
 def start_names(kind: str, count: int) -> list[str]:
