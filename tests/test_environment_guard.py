@@ -145,20 +145,26 @@ def test_compiler_variables_are_recorded_and_the_degrading_ones_are_problems(
             "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
             "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",  # on: harmless
             "TORCH_LOGS": "recompiles",  # recorded, harmless
+            "TORCH_CACHING_PRECOMPILE": "1",
+            "TORCH_STRICT_PRECOMPILE": "0",  # recorded, harmless
             "PATH": "/usr/bin",
         }
     )
     assert list(recorded) == [
-        "TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCH_LOGS",
+        "TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE",
+        "TORCH_CACHING_PRECOMPILE", "TORCH_LOGS", "TORCH_STRICT_PRECOMPILE",
     ]  # fmt: skip
     assert [flag.name for flag, _ in degrading_flags(recorded)] == [
         "TORCHDYNAMO_DISABLE",
         "TORCHINDUCTOR_FX_GRAPH_CACHE",
+        "TORCH_CACHING_PRECOMPILE",
     ]
     problems = [
         f for f in assess({**collect_fingerprint(), "compiler_env": recorded}) if f.level == "problem"
     ]
-    assert [f.fix for f in problems] == ["unset TORCHDYNAMO_DISABLE", "unset TORCHINDUCTOR_FX_GRAPH_CACHE"]
+    assert [f.fix for f in problems] == [
+        "unset TORCHDYNAMO_DISABLE", "unset TORCHINDUCTOR_FX_GRAPH_CACHE", "unset TORCH_CACHING_PRECOMPILE",
+    ]  # fmt: skip
 
     clean = {**collect_fingerprint(), "compiler_env": {"TORCH_LOGS": "dynamo"}}
     changes = {d.field: d.breaking for d in diff_fingerprints(clean, {**clean, "compiler_env": recorded})}
@@ -167,6 +173,8 @@ def test_compiler_variables_are_recorded_and_the_degrading_ones_are_problems(
         "compiler_env.TORCHINDUCTOR_AUTOGRAD_CACHE": False,
         "compiler_env.TORCHINDUCTOR_FX_GRAPH_CACHE": True,
         "compiler_env.TORCH_LOGS": False,
+        "compiler_env.TORCH_CACHING_PRECOMPILE": True,
+        "compiler_env.TORCH_STRICT_PRECOMPILE": False,
     }
 
 

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 RECORDED_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_", "PYTORCH_")
-RECORDED_NAMES = ("TORCH_LOGS", "CUDA_LAUNCH_BLOCKING", "NVIDIA_TF32_OVERRIDE")
+RECORDED_NAMES = (
+    "TORCH_LOGS", "TORCH_CACHING_PRECOMPILE", "TORCH_STRICT_PRECOMPILE", "CUDA_LAUNCH_BLOCKING",
+    "NVIDIA_TF32_OVERRIDE",
+)  # fmt: skip
 _FALSE = {"", "0", "false", "no", "off"}
 
 
@@ -44,6 +47,8 @@ DEGRADING = {
         DegradingFlag("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "set", "other matmul kernels than the baked ones"),
         DegradingFlag("TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE", "set", "other pointwise kernels than the baked ones"),
         DegradingFlag("TORCH_COMPILE_DEBUG", "set", "every compile writes debug traces"),
+        DegradingFlag("TORCH_CACHING_PRECOMPILE", "set",
+                      "Dynamo's experimental precompile: on torch 2.11 every warm start from its cache failed in Dynamo"),
         DegradingFlag("TRITON_INTERPRET", "set", "Triton kernels run in the Python interpreter"),
         DegradingFlag("CUDA_LAUNCH_BLOCKING", "set", "every kernel launch waits for the GPU"),
         DegradingFlag("PYTORCH_NO_CUDA_MEMORY_CACHING", "set", "no caching allocator: a cudaMalloc per tensor"),
