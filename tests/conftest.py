@@ -1,9 +1,12 @@
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.datagen_server import ScriptedServer, TransformersServe, build_tiny_chat_model
 
 # Directories a fresh machine has: the system's own, nothing installed by hand (/usr/local, ~/.local,
 # pyenv, cargo). Tools found only elsewhere (a hand-installed `uv`, say) are not assumed to exist.
@@ -125,3 +128,23 @@ def accumulation_reference(tiny_lm_dir, tiny_conversations, tmp_path_factory) ->
     )  # fmt: skip
     one_thread(lambda: Trainer(config, log=lambda line: None).run())
     return run_dir
+
+
+# --- datagen servers: the real OpenAI-compatible one (once per session) and the scripted one ---
+
+
+@pytest.fixture(scope="session")
+def serve(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Iterator[TransformersServe]:
+    """The real server, up for the whole session (about 10-15 s to start on 2 cores)."""
+    root = tmp_path_factory.mktemp("datagen-serve")
+    server = TransformersServe(build_tiny_chat_model(root / "model", tiny_tokenizer_dir), root / "serve.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedServer]:
+    server = ScriptedServer().start()
+    yield server
+    server.stop()

@@ -26,7 +26,7 @@ from app.bench.profile import profile_table
 from app.compile.apply import compile_drafter
 from app.compile.warmup import synchronize, synthetic_batches
 from app.config import RunConfig
-from app.data.batch import FeatureBatch
+from app.data.batch import DrafterRow, FeatureBatch
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.flops import forward_flops, multiplier, step_flops
 from app.model.objective import TreeSample
@@ -119,15 +119,7 @@ def run_drafter_bench(
     terms = {name: float(value) for name, value in forward_flops(arch, row).items()}
     return DrafterBenchResult(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
-        shapes={
-            "token_budget": config.data.token_budget,
-            "anchors": config.train.anchors,
-            "block_size": arch.block_size,
-            "documents": len(torch.unique(row.document_ids[row.document_ids >= 0])),
-            "layers": arch.num_layers,
-            "hidden": arch.hidden_size,
-            "vocab": arch.vocab_size,
-        },
+        shapes=_shapes(config, arch, row),
         step_ms=step_ms,
         first_call_s=first_call_s,
         forward_flops=terms,
@@ -142,6 +134,19 @@ def run_drafter_bench(
         log_every=config.telemetry.log_every,
         profile=profile,
     )
+
+
+def _shapes(config: RunConfig, arch: DrafterArch, row: DrafterRow) -> dict[str, int]:
+    """What the report's `shapes:` line names: the step's sizes and the benchmarked row's documents."""
+    return {
+        "token_budget": config.data.token_budget,
+        "anchors": config.train.anchors,
+        "block_size": arch.block_size,
+        "documents": len(torch.unique(row.document_ids[row.document_ids >= 0])),
+        "layers": arch.num_layers,
+        "hidden": arch.hidden_size,
+        "vocab": arch.vocab_size,
+    }
 
 
 def format_report(result: DrafterBenchResult) -> str:
