@@ -1,6 +1,8 @@
 """The frozen target wrapper: layer taps (offset, early stop), Qwen3 and Qwen3.5 configs, sources, errors."""
 
 import functools
+import re
+import time
 
 import pytest
 import torch
@@ -309,3 +311,39 @@ def test_the_target_s_norms_mlps_and_rope_compile_once_for_every_batch_shape(arc
     finally:
         torch.compiler.set_stance("default")
         torch.compiler.reset()
+
+
+def test_the_target_warm_up_says_what_each_end_and_torch_compile_cost(monkeypatch):
+    """The warm-up line splits its seconds by shape end and names torch.compile's share (Dynamo's
+    tracing and the graphs' loads, what a warm start still pays): there the first time, 0 once every
+    graph is compiled."""
+    from app.compile.apply import compile_target
+    from app.compile.warmup import warm_up_target
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch.compiler.reset()
+    config = config_for({"architecture": ARCHITECTURES["qwen3_5_text"]}, [0, 3])
+    config = config.model_copy(
+        update={"data": config.data.model_copy(update={"max_length": 96, "token_budget": 192})}
+    )
+    target = load_target(config, "cpu")
+    for modeling in target.rotary_modeling_modules():  # compile_target replaces it: restored after the test
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    compile_target(target)
+    line = (
+        r"target warm-up: ([\d.]+)s \(a forward at 2x96 and (\d+)x(\d+): ([\d.]+)s \+ ([\d.]+)s, "
+        rf"of which torch.compile ([\d.]+)s; linear-attention conv on {re.escape(REFERENCE)}\)"
+    )
+    try:
+        started = time.perf_counter()
+        first = re.fullmatch(line, warm_up_target(config, target, torch.device("cpu")))
+        wall = time.perf_counter() - started
+        again = re.fullmatch(line, warm_up_target(config, target, torch.device("cpu")))
+    finally:
+        torch.compiler.reset()
+    assert first and again
+    assert float(first[1]) <= wall + 0.05  # the ends' seconds add up to the warm-up's, not more
+    assert int(first[2]) * int(first[3]) <= 192 and int(first[3]) < 96  # the shortest shape of the set
+    total, long_end, short_end, compiled = (float(first[index]) for index in (1, 4, 5, 6))
+    assert abs(total - long_end - short_end) <= 0.15 and 0 < compiled <= total + 0.1
+    assert float(again[6]) == 0.0

@@ -161,16 +161,35 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
     before any data thread exists: the process's first use of each target kernel (loading the baked
     library ones and the compiled norms, MLPs and RoPE, cuBLAS, the allocator's growth) happens here, not in
     the first steps. Both ends, so that whatever the compiled modules' token dim splits on (int32
-    indexing at large sizes) is loaded now, not compiled later. Returns the log line."""
+    indexing at large sizes) is loaded now, not compiled later. Returns the log line: the seconds of
+    each end's forward and how much of them torch.compile took."""
     shapes = TargetShapes.from_config(config.data).all
     ends = [shapes[-1]] if len(shapes) == 1 else [shapes[-1], shapes[0]]
-    started = time.perf_counter()
+    compiled_before = torch_compile_seconds()
+    seconds = []
     for rows, length in ends:
+        started = time.perf_counter()
         target.features(random_target_batch(target, rows, length))
-    synchronize(device)
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    compiled = torch_compile_seconds() - compiled_before
     conv = f"; linear-attention conv on {target.conv_kernel}" if target.conv_kernel else ""
     done = " and ".join(f"{rows}x{length}" for rows, length in ends)
-    return f"target warm-up: {time.perf_counter() - started:.1f}s (a forward at {done}{conv})"
+    each = " + ".join(f"{part:.1f}s" for part in seconds)
+    return (
+        f"target warm-up: {sum(seconds):.1f}s (a forward at {done}: {each}, of which torch.compile "
+        f"{compiled:.1f}s{conv})"
+    )
+
+
+def torch_compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far: Dynamo's tracing, AOTAutograd and
+    inductor, a load from the cache included, for forward and backward graphs. A warm start still
+    traces every compiled function; this says how much of a warm-up that is, against the kernels'
+    first launches and the work itself."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return calculate_time_spent()["total_wall_time"]
 
 
 def random_target_batch(target: TargetModel, rows: int, length: int, seed: int = WARMUP_SEED) -> torch.Tensor:
