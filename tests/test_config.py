@@ -298,3 +298,19 @@ def test_misleading_inputs_get_one_line_naming_the_file_or_field(
         done = dflash(capsys, monkeypatch, "train", *args)
         assert (done.returncode, done.stderr.splitlines()[-1:]) == (2, [f"dflash: error: {message}"])
         assert "Traceback" not in done.stderr and "Failed to load JSON" not in done.stderr
+
+
+def test_the_one_gpu_benchmark_configs_keep_the_production_drafter_and_shapes():
+    """The H200 benchmark configs stand in for the production run on one GPU (a random-weight target,
+    cut to fit): their drafter layout and step shapes are the production config's, so a benchmark
+    measures what production trains (the 16-layer one once lacked the sliding window, and its step
+    was compared with the peer's sliding-window time)."""
+    production = load_config("configs/qwen3.6-27b.toml")
+    bench = load_config("configs/qwen3.6-27b-16l-h200.toml")
+    layout = production.drafter.model_dump(exclude={"target_layer_ids"})
+    assert bench.drafter.model_dump(exclude={"target_layer_ids"}) == layout
+    shapes = {"data": {"max_length", "token_budget", "max_batch_size", "lengths_per_octave"}}
+    shapes["train"] = {"anchors", "gamma", "precision", "loss_chunk_size"}
+    for section, fields in shapes.items():
+        expected = getattr(production, section).model_dump(include=fields)
+        assert getattr(bench, section).model_dump(include=fields) == expected, section
