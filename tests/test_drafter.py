@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 from app.bench.profile import profile_table
@@ -14,7 +15,7 @@ from app.data.synthetic import synthetic_row
 from app.errors import UserError
 from app.model.attention import dense_training_mask
 from app.model.drafter import DFlashDrafter, DrafterArch
-from app.model.flops import forward_flops, step_flops
+from app.model.flops import forward_flops, multiplier, step_flops
 from tests.helpers import (
     REFERENCE_LAYER_WEIGHTS,
     SMALL_BLOCK,
@@ -280,8 +281,25 @@ def test_the_flop_count_counts_what_the_mask_lets_through_and_the_loss_supervise
         terms["q_proj (block)"]
         == arch.num_layers * 2 * queries * HIDDEN * arch.num_attention_heads * arch.head_dim
     )
-    trainable = sum(value for name, value in terms.items() if not name.startswith("lm_head"))
-    assert step_flops(terms) == 3 * trainable + 2 * terms["lm_head (supervised slots)"]
+    frozen_input = ("lm_head (supervised slots)", "fc (context features -> hidden)")
+    trainable = sum(value for name, value in terms.items() if name not in frozen_input)
+    assert step_flops(terms) == 3 * trainable + 2 * sum(terms[name] for name in frozen_input)
+
+
+def test_the_projections_flops_times_their_multipliers_are_the_matmuls_autograd_runs(sliding_setup):
+    """Counted against torch's own FLOP counter over a forward and backward: every projection term
+    times its multiplier is what the step's matmuls compute. The fc over the frozen features has no
+    input gradient (2x, not 3x): counting one would overstate the MFU."""
+    drafter, embed_tokens, _, row, features = sliding_setup
+    terms = forward_flops(drafter.arch, row)
+    with FlopCounterMode(display=False) as counter:
+        drafter(features, row, embed_tokens).square().mean().backward()
+    counted = counter.get_flop_counts()["Global"]
+    matmuls = sum(counted.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    projections = {
+        name: value for name, value in terms.items() if not name.startswith(("attention", "lm_head"))
+    }
+    assert matmuls == sum(multiplier(name) * value for name, value in projections.items())
 
 
 def test_bench_drafter_runs_on_cpu_with_the_tiny_config():

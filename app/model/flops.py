@@ -18,6 +18,9 @@ TRAINABLE_MULTIPLIER = 3
 """forward + backward (input and weight gradients) of trainable parts."""
 FROZEN_HEAD_MULTIPLIER = 2
 """the frozen LM head: forward + gradient w.r.t. its input only."""
+FEATURE_PROJECTION_MULTIPLIER = 2
+"""fc over the frozen target's features: forward + gradient w.r.t. its weight only (the features
+need none, so autograd computes none)."""
 
 FlopCount = float | torch.Tensor
 """A number for the row-independent terms, a 0-d int64 tensor on the row's device otherwise."""
@@ -51,11 +54,15 @@ def forward_flops(arch: DrafterArch, row: DrafterRow) -> dict[str, FlopCount]:
 
 def multiplier(term: str) -> int:
     """How many times a forward term's FLOPs one training step spends (forward + backward)."""
-    return FROZEN_HEAD_MULTIPLIER if term.startswith("lm_head") else TRAINABLE_MULTIPLIER
+    if term.startswith("lm_head"):
+        return FROZEN_HEAD_MULTIPLIER
+    if term.startswith("fc"):
+        return FEATURE_PROJECTION_MULTIPLIER
+    return TRAINABLE_MULTIPLIER
 
 
 def step_flops(terms: dict[str, FlopCount]) -> FlopCount:
-    """FLOPs of forward + backward: 3x the trainable terms, 2x the frozen LM head."""
+    """FLOPs of forward + backward: 3x the trainable terms, 2x the frozen LM head and the fc."""
     return sum(value * multiplier(name) for name, value in terms.items())
 
 
