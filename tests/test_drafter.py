@@ -9,8 +9,10 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
+from app.bench.drafter import run_drafter_bench
 from app.bench.profile import profile_table
-from app.config import validate_config
+from app.compile.warmup import synthetic_batches
+from app.config import load_config, validate_config
 from app.data.synthetic import synthetic_row
 from app.errors import UserError
 from app.model.attention import dense_training_mask
@@ -394,6 +396,31 @@ def test_a_profile_ranks_operators_by_self_time_with_their_counts():
     assert len(rows) == 2 and rows[0].split()[3:] == ["x3", "aten::mm"]
     shares = [float(row.split()[2].rstrip("%")) for row in rows]
     assert shares[0] >= shares[1] > 0 and sum(shares) <= 100.05
+
+
+def test_synthetic_rows_pack_documents_of_the_run_s_longest_samples():
+    """Warm-up, build-cache's timed steps and `bench drafter` run rows packed like a full batch of
+    `data.max_length` samples (the last document takes the remainder): the heaviest rows real data
+    can make, and the sequences a peer's step benchmark feeds. Random cuts made documents longer
+    than any sample (2.9x the attention work of such a row in one measured case)."""
+    config = load_config("configs/tiny.toml", ["data.token_budget=1024", "data.max_length=300"])
+    drafter = DFlashDrafter(DrafterArch.from_config(config), seed=0)
+    for batch in synthetic_batches(config, drafter, torch.device("cpu"), 2):
+        documents = batch.row.document_ids
+        assert torch.bincount(documents[documents >= 0]).tolist() == [300, 300, 300, 124]
+        assert torch.equal(batch.row.position_ids[300:600], torch.arange(300))
+
+
+def test_bench_drafter_counts_the_useful_flops_of_the_rows_it_timed():
+    """Each synthetic row's anchors set its attention work: the step's FLOPs are the timed rows'
+    mean, not the first row's."""
+    config = load_config("configs/tiny.toml", ["train.anchors=16"])
+    result = run_drafter_bench(config, steps=3, warmup=1, device="cpu")
+    arch = DrafterArch.from_config(config)
+    batches = synthetic_batches(config, DFlashDrafter(arch), torch.device("cpu"), 3, seed=config.train.seed)
+    counts = [float(step_flops(forward_flops(arch, batch.row))) for batch in batches]
+    assert len(set(counts)) > 1
+    assert result.step_flops == pytest.approx(sum(counts) / len(counts))
 
 
 def test_bench_drafter_profiles_one_step_on_request():

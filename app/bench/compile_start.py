@@ -233,7 +233,6 @@ def _train_step(config: RunConfig, drafter_step: DrafterStep) -> Callable[[int, 
     from app.data.synthetic import synthetic_row
 
     generator = torch.Generator().manual_seed(7)
-    documents = max(1, config.data.token_budget // config.data.max_length)
     vocab_size = drafter_step.drafter.arch.vocab_size
 
     def step(index: int, features: torch.Tensor) -> torch.Tensor:
@@ -241,7 +240,7 @@ def _train_step(config: RunConfig, drafter_step: DrafterStep) -> Callable[[int, 
             config.data.token_budget,
             config.train.anchors,
             vocab_size,
-            num_documents=documents,
+            document_length=config.data.max_length,
             generator=generator,
         ).to(drafter_step.device)
         out = drafter_step.backward(FeatureBatch(row=row, features=features))

@@ -2,11 +2,12 @@
 
 Only the drafter and random-weight stand-ins of the target's embedding and LM head are built (the
 step's cost does not depend on weight values); rows are synthetic but laid out like real ones
-(documents packed into `token_budget`, anchors sampled among supervised positions). Reports the
-median step time, query/context tokens per second, useful FLOPs term by term, the fraction of a
-given peak, peak memory, the first call's (compile) time, on CUDA whether the step synchronises
-with the host or recompiles after warm-up (both would mean a degraded run), and what a log step's
-tree-streak proxy (`telemetry.tree_streak_blocks`) adds to the step.
+(documents of `data.max_length` packed into `token_budget`, anchors sampled among supervised
+positions). Reports the median step time, query/context tokens per second, useful FLOPs term by
+term (averaged over the timed steps' rows), the fraction of a given peak, peak memory, the first
+call's (compile) time, on CUDA whether the step synchronises with the host or recompiles after
+warm-up (both would mean a degraded run), and what a log step's tree-streak proxy
+(`telemetry.tree_streak_blocks`) adds to the step.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def run_drafter_bench(
         with _no_recompiles(device):
             profile = profile_table(lambda: step(batches[0]), device, profile_rows, "one step")
     row = batches[0].row.to("cpu")
-    terms = {name: float(value) for name, value in forward_flops(arch, row).items()}
+    terms = _mean_forward_flops(arch, [batches[index % len(batches)].row for index in range(steps)])
     return DrafterBenchResult(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
         shapes=_shapes(config, arch, row),
@@ -134,6 +135,13 @@ def run_drafter_bench(
         log_every=config.telemetry.log_every,
         profile=profile,
     )
+
+
+def _mean_forward_flops(arch: DrafterArch, rows: list[DrafterRow]) -> dict[str, float]:
+    """Useful forward FLOPs per term over the timed steps' rows, averaged: each row's anchors set
+    its attention and LM-head work, so one row's count would misstate the others'."""
+    counts = [forward_flops(arch, row) for row in rows]
+    return {name: sum(float(count[name]) for count in counts) / len(counts) for name in counts[0]}
 
 
 def _shapes(config: RunConfig, arch: DrafterArch, row: DrafterRow) -> dict[str, int]:

@@ -47,12 +47,12 @@ StepFactory = Callable[[RunConfig, DFlashDrafter, TargetModel, torch.device], Tr
 def synthetic_batches(
     config: RunConfig, drafter: DFlashDrafter, device: torch.device, count: int, seed: int = WARMUP_SEED
 ) -> list[FeatureBatch]:
-    """`count` fixed-shape feature batches laid out like real rows (documents, padding, anchors);
-    `seed` draws their layouts."""
+    """`count` fixed-shape feature batches laid out like real rows: packed with documents of the
+    run's `data.max_length` (the heaviest rows its data can make), anchors among supervised tokens;
+    `seed` draws the anchors."""
     arch = drafter.arch
     token_budget = config.data.token_budget
     generator = torch.Generator().manual_seed(seed)
-    documents = max(1, token_budget // config.data.max_length)
     # One features tensor shared by all rows: at production shapes each one is gigabytes.
     features = torch.randn(
         token_budget,
@@ -63,7 +63,11 @@ def synthetic_batches(
     )
     rows = [
         synthetic_row(
-            token_budget, config.train.anchors, arch.vocab_size, num_documents=documents, generator=generator
+            token_budget,
+            config.train.anchors,
+            arch.vocab_size,
+            document_length=config.data.max_length,
+            generator=generator,
         ).to(device)
         for _ in range(count)
     ]
