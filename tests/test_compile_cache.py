@@ -546,3 +546,35 @@ def test_the_library_jit_watch_counts_new_triton_cache_entries_after_warm_up(tmp
     (triton / "another").mkdir()
     with pytest.raises(LibraryJitAbort, match=r"compile\.on_cache_miss = abort"):
         aborting.check({"step": 25})
+
+
+def test_triton_compiles_are_counted_apart_from_cache_loads(monkeypatch, tmp_path: Path) -> None:
+    """Through Triton's compilation listener, with a real compile (Triton builds for an sm90 target
+    without a GPU): the first call compiles, the same kernel twice more loads from the cache; a listener
+    set before still hears both, and is back in place afterwards."""
+    import triton
+    import triton.language as tl
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from app.compile.library_jit import counting_triton_compiles
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+
+    @triton.jit
+    def scale(x, out, n, BLOCK: tl.constexpr):
+        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + index, 2 * tl.load(x + index, mask=index < n), mask=index < n)
+
+    signature = {"x": "*fp32", "out": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    source = ASTSource(scale, signature=signature, constexprs={"BLOCK": 64})
+    heard = []
+    earlier = lambda **event: heard.append(event["cache_hit"])  # noqa: E731
+    monkeypatch.setattr(knobs.compilation, "listener", earlier)
+    with counting_triton_compiles() as counts:
+        for _ in range(3):
+            triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert (counts.compiled, counts.loaded) == (1, 2) and counts.seconds > 0
+    assert counts.describe().startswith("Triton: 1 compiled, 2 loaded from its cache in ")
+    assert heard == [False, True, True] and knobs.compilation.listener is earlier

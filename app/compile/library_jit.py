@@ -12,7 +12,10 @@ adds them up.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,46 @@ def triton_cache_entries(directory: str | Path | None = None) -> int:
             return sum(1 for entry in entries if entry.is_dir())
     except FileNotFoundError:
         return 0
+
+
+@dataclass
+class TritonCompiles:
+    """What `triton.compile` did in this process while counting (`counting_triton_compiles`): kernels
+    compiled, kernels found in the Triton cache, and the seconds inside it for both. It sees the main
+    process's calls (a library's JIT kernels, inductor's kernels loaded there), not inductor's compile
+    workers: what they compile is an inductor cache miss, counted apart."""
+
+    compiled: int = 0
+    loaded: int = 0
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        return f"Triton: {self.compiled} compiled, {self.loaded} loaded from its cache in {self.seconds:.1f}s"
+
+
+@contextlib.contextmanager
+def counting_triton_compiles() -> Iterator[TritonCompiles]:
+    """Count `triton.compile` calls through Triton's compilation listener (a listener already set
+    still gets every call)."""
+    from triton import knobs
+
+    counts = TritonCompiles()
+    previous = knobs.compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        counts.loaded += cache_hit
+        counts.compiled += not cache_hit
+        counts.seconds += times.total / 1e6
+        if previous is not None:
+            previous(
+                src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit
+            )
+
+    knobs.compilation.listener = listener
+    try:
+        yield counts
+    finally:
+        knobs.compilation.listener = previous
 
 
 class LibraryJitCounter:

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from app.compile.library_jit import triton_cache_entries
+from app.compile.library_jit import counting_triton_compiles
 from app.config import RunConfig
 from app.data.batch import FeatureBatch
 from app.data.shapes import TargetShapes
@@ -167,24 +167,25 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
     library ones and the compiled norms, MLPs and RoPE, cuBLAS, the allocator's growth) happens here, not in
     the first steps. Both ends, so that whatever the compiled modules' token dim splits on (int32
     indexing at large sizes) is loaded now, not compiled later. Returns the log line: the seconds of
-    each end's forward, how much of them torch.compile took, and how many Triton kernels (a library's
-    or inductor's) it compiled or autotuned: 0 from a matching baked cache, whose entry holds them all."""
+    each end's forward, how much of them torch.compile took, and what Triton compiled and loaded (from a
+    matching baked cache it compiles nothing)."""
     shapes = TargetShapes.from_config(config.data).all
     ends = [shapes[-1]] if len(shapes) == 1 else [shapes[-1], shapes[0]]
-    compiled_before, kernels_before = torch_compile_seconds(), triton_cache_entries()
+    compiled_before = torch_compile_seconds()
     seconds = []
-    for rows, length in ends:
-        started = time.perf_counter()
-        target.features(random_target_batch(target, rows, length))
-        synchronize(device)
-        seconds.append(time.perf_counter() - started)
-    compiled, kernels = torch_compile_seconds() - compiled_before, triton_cache_entries() - kernels_before
+    with counting_triton_compiles() as triton:
+        for rows, length in ends:
+            started = time.perf_counter()
+            target.features(random_target_batch(target, rows, length))
+            synchronize(device)
+            seconds.append(time.perf_counter() - started)
+    compiled = torch_compile_seconds() - compiled_before
     conv = f"; linear-attention conv on {target.conv_kernel}" if target.conv_kernel else ""
     done = " and ".join(f"{rows}x{length}" for rows, length in ends)
     each = " + ".join(f"{part:.1f}s" for part in seconds)
     return (
         f"target warm-up: {sum(seconds):.1f}s (a forward at {done}: {each}, of which torch.compile "
-        f"{compiled:.1f}s; {kernels} Triton kernels compiled or autotuned{conv})"
+        f"{compiled:.1f}s; {triton.describe()}{conv})"
     )
 
 
