@@ -8,6 +8,7 @@ import io
 import json
 import os
 import platform
+import py_compile
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from app.env import (
     load_fingerprint,
     save_fingerprint,
 )
-from app.env.fingerprint import is_under_tmp, torch_rule_inductor_dir
+from app.env.fingerprint import bytecode_status, is_under_tmp, torch_rule_inductor_dir
 from app.env.gpus import parse_nvidia_smi
 from app.env.packages import installed_distributions, locked_versions, package_drift
 from app.env.project import find_project_root
@@ -118,6 +119,30 @@ def test_cache_under_tmp_is_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert found["compile_cache"]["triton_under_tmp"] is False
     warnings = [finding.message for finding in assess(found) if finding.level == "warning"]
     assert any("inductor cache /tmp/torchinductor_root is under /tmp" in message for message in warnings)
+
+
+def test_source_without_bytecode_that_none_can_be_written_for_is_a_warning(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every process then compiles torch's source again at import (13 s of a profiled start on the
+    GPU machine): bytecode on disk, or an import allowed to write it, is enough."""
+    source = tmp_path / "module.py"
+    source.write_text("VALUE = 1\n")
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert bytecode_status(source) == {"cached": False, "writes": False}
+    found = collect_fingerprint(search_path=[str(tmp_path)])
+    found["python"]["torch_bytecode"] = bytecode_status(source)
+    (warning,) = [f for f in assess(found) if "no Python bytecode" in f.message]
+    assert warning.level == "warning" and "unset PYTHONDONTWRITEBYTECODE" in warning.fix
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert bytecode_status(source) == {"cached": False, "writes": True}  # the first import writes it
+    py_compile.compile(str(source))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    assert bytecode_status(source) == {"cached": True, "writes": False}
+    found["python"]["torch_bytecode"] = bytecode_status(source)
+    assert not [f for f in assess(found) if "no Python bytecode" in f.message]
 
 
 def test_missing_lock_is_reported_not_raised(tmp_path: Path) -> None:

@@ -62,6 +62,7 @@ def collect_fingerprint(
             "version": platform.python_version(),
             "implementation": platform.python_implementation(),
             "executable": sys.executable,
+            "torch_bytecode": _guarded(_torch_bytecode),
         },
         "torch": _torch_section(),
         "triton": _distribution_version("triton") or _distribution_version("pytorch-triton"),
@@ -138,6 +139,22 @@ def _torch_section() -> dict[str, Any]:
             lambda: ".".join(map(str, torch.cuda.nccl.version())) if torch.version.cuda else None
         ),
     }
+
+
+def _torch_bytecode() -> dict[str, bool] | None:
+    """`bytecode_status` of torch's package (found, not imported); None without torch."""
+    spec = importlib.util.find_spec("torch")
+    return bytecode_status(Path(spec.origin)) if spec is not None and spec.origin else None
+
+
+def bytecode_status(source: Path) -> dict[str, bool]:
+    """Whether a module's source has bytecode for this interpreter (`cached`), and whether importing
+    it would write some (`writes`: not with PYTHONDONTWRITEBYTECODE, nor into a read-only package
+    dir without a PYTHONPYCACHEPREFIX). Without either, every process compiles it again at import:
+    13 s of a profiled start on the GPU machine, whose site-packages hold no bytecode."""
+    cached = Path(importlib.util.cache_from_source(str(source))).exists()
+    writable = sys.pycache_prefix is not None or os.access(source.parent, os.W_OK)
+    return {"cached": cached, "writes": not sys.dont_write_bytecode and writable}
 
 
 def _lock_section(root: Path | None) -> dict[str, Any]:

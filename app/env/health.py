@@ -37,6 +37,7 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
         *_package_findings(fingerprint),
         *_compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
+        *_bytecode_findings(fingerprint),
         *_gpu_findings(fingerprint),
         *_kernel_findings(fingerprint),
     ]
@@ -138,6 +139,18 @@ def _cache_findings(fingerprint: dict[str, Any]) -> list[Finding]:
                 )
             )
     return found
+
+
+def _bytecode_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    bytecode = fingerprint["python"].get("torch_bytecode") or {}
+    if bytecode.get("cached", True) or bytecode.get("writes", True):
+        return []
+    message = (
+        "torch has no Python bytecode for this interpreter and none is written (PYTHONDONTWRITEBYTECODE, "
+        "or a read-only site-packages): every process compiles its source again at import, seconds of each start"
+    )
+    fix = "unset PYTHONDONTWRITEBYTECODE and, for a read-only venv, export PYTHONPYCACHEPREFIX=~/.cache/dflash/pycache"
+    return [Finding("warning", message, fix)]
 
 
 def _gpu_findings(fingerprint: dict[str, Any]) -> list[Finding]:
