@@ -149,7 +149,10 @@ def _bytecode_findings(fingerprint: dict[str, Any]) -> list[Finding]:
         "torch has no Python bytecode for this interpreter and none is written (PYTHONDONTWRITEBYTECODE, "
         "or a read-only site-packages): every process compiles its source again at import, seconds of each start"
     )
-    fix = "unset PYTHONDONTWRITEBYTECODE and, for a read-only venv, export PYTHONPYCACHEPREFIX=~/.cache/dflash/pycache"
+    fix = (
+        "./uvw sync --compile-bytecode (once; the image build does it), or unset PYTHONDONTWRITEBYTECODE "
+        "(for a read-only venv also export PYTHONPYCACHEPREFIX=~/.cache/dflash/pycache)"
+    )
     return [Finding("warning", message, fix)]
 
 
