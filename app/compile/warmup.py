@@ -167,11 +167,11 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
     library ones and the compiled norms, MLPs and RoPE, cuBLAS, the allocator's growth) happens here, not in
     the first steps. Both ends, so that whatever the compiled modules' token dim splits on (int32
     indexing at large sizes) is loaded now, not compiled later. Returns the log line: the seconds of
-    each end's forward, how much of them torch.compile took, and what Triton compiled and loaded (from a
-    matching baked cache it compiles nothing)."""
+    each end's forward, how much of them torch.compile and inductor's autotuning took, and what Triton
+    compiled and loaded (from a matching baked cache nothing is compiled or autotuned)."""
     shapes = TargetShapes.from_config(config.data).all
     ends = [shapes[-1]] if len(shapes) == 1 else [shapes[-1], shapes[0]]
-    compiled_before = torch_compile_seconds()
+    compiled_before, autotuned_before = torch_compile_seconds(), inductor_autotune_seconds()
     seconds = []
     with counting_triton_compiles() as triton:
         for rows, length in ends:
@@ -179,13 +179,16 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
             target.features(random_target_batch(target, rows, length))
             synchronize(device)
             seconds.append(time.perf_counter() - started)
-    compiled = torch_compile_seconds() - compiled_before
+    compiled, autotuned = (
+        torch_compile_seconds() - compiled_before,
+        inductor_autotune_seconds() - autotuned_before,
+    )
     conv = f"; linear-attention conv on {target.conv_kernel}" if target.conv_kernel else ""
     done = " and ".join(f"{rows}x{length}" for rows, length in ends)
     each = " + ".join(f"{part:.1f}s" for part in seconds)
     return (
         f"target warm-up: {sum(seconds):.1f}s (a forward at {done}: {each}, of which torch.compile "
-        f"{compiled:.1f}s; {triton.describe()}{conv})"
+        f"{compiled:.1f}s, inductor's autotuning {autotuned:.1f}s; {triton.describe()}{conv})"
     )
 
 
@@ -197,6 +200,14 @@ def torch_compile_seconds() -> float:
     from torch._dynamo.utils import calculate_time_spent
 
     return calculate_time_spent()["total_wall_time"]
+
+
+def inductor_autotune_seconds() -> float:
+    """Seconds this process's inductor kernels have spent benchmarking their configs at their first
+    launch (outside torch.compile's own time): none when the autotuning results came with the cache."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return calculate_time_spent().get("CachingAutotuner.benchmark_all_configs", 0.0)
 
 
 def random_target_batch(target: TargetModel, rows: int, length: int, seed: int = WARMUP_SEED) -> torch.Tensor:
