@@ -1,6 +1,7 @@
 """The frozen target wrapper: layer taps (offset, early stop), Qwen3 and Qwen3.5 configs, sources, errors."""
 
 import functools
+import inspect
 import re
 import time
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 
+from app.compile.warmup import AUTOTUNE_EVENT, compile_seconds
 from app.config import validate_config
 from app.errors import UserError
 from app.model.causal_conv import CAUSAL_CONV1D, REFERENCE, TRITON, fast_causal_conv
@@ -351,3 +353,20 @@ def test_the_target_warm_up_says_what_each_end_and_torch_compile_cost(monkeypatc
     assert float(again[6]) == 0.0
     # inductor's CPU kernels are C++ (nothing to autotune), and the reference conv is not Triton
     assert first[7] == "0.0" and first[8] == first[9] == "0"
+
+
+def test_the_warm_up_reads_inductor_s_autotuning_from_the_timer_torch_s_autotuner_runs_under():
+    """The autotuning figure comes from torch's own accumulator: the installed autotuner times its
+    config benchmarks under this event, with a compile-metrics column (without one torch keeps no
+    total), and time spent under it shows up in `compile_seconds`. A misspelt event would read 0
+    forever, on the GPU too."""
+    from torch._dynamo.utils import dynamo_timed
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    source = inspect.getsource(CachingAutotuner.benchmark_all_configs)
+    assert f'"{AUTOTUNE_EVENT}"' in source and "dynamo_compile_column_us" in source
+    compiled_before, autotuned_before = compile_seconds()
+    with dynamo_timed(AUTOTUNE_EVENT, dynamo_compile_column_us="runtime_triton_autotune_time_us"):
+        time.sleep(0.05)
+    compiled, autotuned = compile_seconds()
+    assert autotuned - autotuned_before >= 0.05 and compiled == compiled_before

@@ -171,7 +171,7 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
     compiled and loaded (from a matching baked cache nothing is compiled or autotuned)."""
     shapes = TargetShapes.from_config(config.data).all
     ends = [shapes[-1]] if len(shapes) == 1 else [shapes[-1], shapes[0]]
-    compiled_before, autotuned_before = torch_compile_seconds(), inductor_autotune_seconds()
+    before = compile_seconds()
     seconds = []
     with counting_triton_compiles() as triton:
         for rows, length in ends:
@@ -179,10 +179,7 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
             target.features(random_target_batch(target, rows, length))
             synchronize(device)
             seconds.append(time.perf_counter() - started)
-    compiled, autotuned = (
-        torch_compile_seconds() - compiled_before,
-        inductor_autotune_seconds() - autotuned_before,
-    )
+    compiled, autotuned = (now - then for now, then in zip(compile_seconds(), before, strict=True))
     conv = f"; linear-attention conv on {target.conv_kernel}" if target.conv_kernel else ""
     done = " and ".join(f"{rows}x{length}" for rows, length in ends)
     each = " + ".join(f"{part:.1f}s" for part in seconds)
@@ -192,22 +189,20 @@ def warm_up_target(config: RunConfig, target: TargetModel, device: torch.device)
     )
 
 
-def torch_compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far: Dynamo's tracing, AOTAutograd and
-    inductor, a load from the cache included, for forward and backward graphs. A warm start still
-    traces every compiled function; this says how much of a warm-up that is, against the kernels'
-    first launches and the work itself."""
+AUTOTUNE_EVENT = "CachingAutotuner.benchmark_all_configs"
+"""torch's timer around an inductor kernel benchmarking its configs at its first launch."""
+
+
+def compile_seconds() -> tuple[float, float]:
+    """Seconds this process has spent so far in torch.compile (Dynamo's tracing, AOTAutograd and
+    inductor, a load from the cache included, forward and backward graphs) and in inductor's runtime
+    autotuning, which torch.compile's total leaves out (none when the results came with the cache).
+    A warm start still traces every compiled function: this says how much of a warm-up that is,
+    against the kernels' first launches and the work itself."""
     from torch._dynamo.utils import calculate_time_spent
 
-    return calculate_time_spent()["total_wall_time"]
-
-
-def inductor_autotune_seconds() -> float:
-    """Seconds this process's inductor kernels have spent benchmarking their configs at their first
-    launch (outside torch.compile's own time): none when the autotuning results came with the cache."""
-    from torch._dynamo.utils import calculate_time_spent
-
-    return calculate_time_spent().get("CachingAutotuner.benchmark_all_configs", 0.0)
+    spent = calculate_time_spent()
+    return spent["total_wall_time"], spent.get(AUTOTUNE_EVENT, 0.0)
 
 
 def random_target_batch(target: TargetModel, rows: int, length: int, seed: int = WARMUP_SEED) -> torch.Tensor:
