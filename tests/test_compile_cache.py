@@ -22,7 +22,6 @@ from rich.console import Console
 from app.compile.artifacts import (
     ARTIFACTS,
     CacheEntryError,
-    copy_triton_host_modules,
     find_entry,
     list_entries,
     read_entry,
@@ -50,14 +49,12 @@ from app.compile.guard import (
     verify_fx_trace_flags,
 )
 from app.compile.key import MACHINE_GROUPS, cache_key, diff_fields, key_fields
-from app.compile.library_jit import LibraryJitAbort, LibraryJitCounter, LibraryJitWatch
 from app.compile.prepare import _warn_if_built_elsewhere, prepare_compiled_training, prepare_target_rank
 from app.config import load_config, validate_config
 from app.config.schema import BUILTIN_TARGETS, CompileConfig
 from app.errors import UserError
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import load_target
-from app.telemetry.guard import GuardedWatch
 from app.train.step import DrafterStep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -414,23 +411,6 @@ def test_each_key_builds_and_starts_in_its_own_inductor_dir(built, tmp_path):
     assert "Build and train with the same compile.inductor_dir" in lines[0]
 
 
-def test_the_build_bakes_tritons_host_module_not_its_kernels(tmp_path):
-    triton = tmp_path / "triton"
-    for directory, name in (
-        ("HOSTHASH", "cuda_utils.cpython-312-x86_64-linux-gnu.so"),
-        ("KERNELHASH", "k.cubin"),
-    ):
-        (triton / directory).mkdir(parents=True)
-        (triton / directory / name).write_bytes(b"built")
-    (triton / "KERNELHASH" / "k.json").write_text("{}")
-    baked = tmp_path / "baked"
-    copy_triton_host_modules(triton, baked)
-    assert sorted(str(file.relative_to(baked)) for file in baked.rglob("*") if file.is_file()) == [
-        "HOSTHASH/cuda_utils.cpython-312-x86_64-linux-gnu.so"
-    ]
-    copy_triton_host_modules(triton, baked)  # into files already there (a hybrid target's snapshot)
-
-
 def test_user_is_filled_in_when_the_container_has_none(monkeypatch):
     import getpass
 
@@ -523,58 +503,3 @@ def test_build_cache_needs_a_gpu():
 
     with pytest.raises(UserError, match="build-cache: no CUDA device visible"):
         build_cache(tiny_config(), DrafterStep)
-
-
-def test_the_library_jit_watch_counts_new_triton_cache_entries_after_warm_up(tmp_path: Path) -> None:
-    """Each kernel Triton compiles (or autotuning result it keeps) is a directory of its cache: what
-    appears after warm-up, here or on a target rank, is library JIT; with abort it ends the run."""
-    triton = tmp_path / "triton"
-    (triton / "baked-kernel").mkdir(parents=True)
-    (triton / "not-an-entry.tmp").write_text("")
-    watch = LibraryJitWatch(LibraryJitCounter(triton), abort=False, source="nvidia-h200-sm90-abc")
-    assert watch.check({"step": 5}) == [] and watch.active is None
-    (triton / "compiled-after-warm-up").mkdir()
-    (event,) = watch.check({"step": 10, "target_library_jit": [0, 2]})
-    assert event.startswith(
-        "library JIT: 3 Triton kernel compiles or autotunings after warm-up (3 new in this window)"
-    )
-    assert "nvidia-h200-sm90-abc was loaded" in event
-    assert watch.check({"step": 15, "target_library_jit": [0, 2]}) == []  # nothing new, no second event
-    assert watch.check({"step": 20, "target_library_jit": [1, 2]})[0].startswith("library JIT: 4 ")
-
-    aborting = GuardedWatch(LibraryJitWatch(LibraryJitCounter(triton), abort=True, source="x"))
-    (triton / "another").mkdir()
-    with pytest.raises(LibraryJitAbort, match=r"compile\.on_cache_miss = abort"):
-        aborting.check({"step": 25})
-
-
-def test_triton_compiles_are_counted_apart_from_cache_loads(monkeypatch, tmp_path: Path) -> None:
-    """Through Triton's compilation listener, with a real compile (Triton builds for an sm90 target
-    without a GPU): the first call compiles, the same kernel twice more loads from the cache; a listener
-    set before still hears both, and is back in place afterwards."""
-    import triton
-    import triton.language as tl
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from app.compile.library_jit import counting_triton_compiles
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-
-    @triton.jit
-    def scale(x, out, n, BLOCK: tl.constexpr):
-        index = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out + index, 2 * tl.load(x + index, mask=index < n), mask=index < n)
-
-    signature = {"x": "*fp32", "out": "*fp32", "n": "i32", "BLOCK": "constexpr"}
-    source = ASTSource(scale, signature=signature, constexprs={"BLOCK": 64})
-    heard = []
-    earlier = lambda **event: heard.append(event["cache_hit"])  # noqa: E731
-    monkeypatch.setattr(knobs.compilation, "listener", earlier)
-    with counting_triton_compiles() as counts:
-        for _ in range(3):
-            triton.compile(source, target=GPUTarget("cuda", 90, 32))
-    assert (counts.compiled, counts.loaded) == (1, 2) and counts.seconds > 0
-    assert counts.describe().startswith("Triton: 1 compiled, 2 loaded from its cache in ")
-    assert heard == [False, True, True] and knobs.compilation.listener is earlier

@@ -348,8 +348,10 @@ def test_a_hybrid_target_bakes_every_target_shape_and_a_fresh_process_jits_nothi
     assert entry.fields["shape.target_batches"] == [list(shape) for shape in shapes.all]
     assert entry.triton_path is not None
     shutil.rmtree(persistent_tmp / "inductor")  # a fresh container: only the baked entry
+    # and an empty Triton dir of its own, as the image sets one (not one this process used)
+    fresh_triton = {"TRITON_CACHE_DIR": str(persistent_tmp / "fresh-triton")}
 
-    done = run_dflash("train", str(config_file), timeout=600)
+    done = run_dflash("train", str(config_file), timeout=600, env=fresh_triton)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "library JIT:" not in done.stdout + done.stderr
     # nor during its warm-up: the entry holds every kernel the target's first forwards launch

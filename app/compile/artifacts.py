@@ -210,12 +210,43 @@ def copy_triton_host_modules(triton_dir: Path, destination: Path) -> None:
 
 def copy_triton_files(entry: CacheEntry, triton_dir: Path) -> None:
     """Copy the entry's Triton files into `triton_dir`, keeping files already there (Triton names
-    them by content hash)."""
+    them by content hash), and each kernel's group file pointed at the copies
+    (`_write_relocated_group`)."""
     if entry.triton_path is None:
         return
 
-    def copy_if_absent(source: str, destination: str) -> None:
-        if not os.path.exists(destination):
+    def copy(source: str, destination: str) -> None:
+        if os.path.basename(source).startswith(TRITON_GROUP_PREFIX):
+            _write_relocated_group(Path(source), Path(destination))
+        elif not os.path.exists(destination):
             shutil.copy2(source, destination)
 
-    shutil.copytree(entry.triton_path, triton_dir, copy_function=copy_if_absent, dirs_exist_ok=True)
+    shutil.copytree(entry.triton_path, triton_dir, copy_function=copy, dirs_exist_ok=True)
+
+
+TRITON_GROUP_PREFIX = "__grp__"
+"""Triton's group file of a compiled kernel (`__grp__<kernel>.json`): the kernel's files by path."""
+
+
+def _write_relocated_group(source: Path, destination: Path) -> None:
+    """Write the group file `source` to `destination` with its paths in `destination`'s directory.
+
+    Triton finds a compiled kernel through its group file, which names the kernel's files by absolute
+    path: as baked, the build's Triton dir, gone after the build. A group whose files are missing is a
+    cache miss, so a copy left as it was compiles every baked kernel again (12 kernels, 6 s of the
+    16-layer hybrid target's warm-up on an H200). A stale copy already at `destination` is replaced;
+    through a rename, as two ranks of a node may load the entry into one dir at once."""
+    try:
+        group = json.loads(source.read_text())
+        children = group["child_paths"]
+        relocated = {name: str(destination.parent / Path(path).name) for name, path in children.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CacheEntryError(
+            f'{source}: not a Triton group file (expected {{"child_paths": {{...}}}})'
+        ) from None
+    text = json.dumps({**group, "child_paths": relocated})
+    if destination.exists() and destination.read_text() == text:
+        return
+    temporary = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, destination)
