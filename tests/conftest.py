@@ -101,6 +101,21 @@ def persistent_tmp():
 
 
 @pytest.fixture(autouse=True)
+def compile_dirs_kept_to_their_test() -> Iterator[None]:
+    """A start exports the inductor and Triton dirs it picks (`use_compile_dirs`): set in this process
+    by one test, they would pass to every later test's child processes, which would then find kernels
+    an earlier test compiled there (a baked cache that could not be read looked complete that way)."""
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
 def no_ambient_wandb_settings(monkeypatch):
     """A machine's own WANDB_* variables (CI sets WANDB_MODE) must not change what the tests see."""
     import os
