@@ -57,10 +57,17 @@ def _train_rank(run_config, resume: bool) -> None:
     A rank that did not finish cleanly (stopped by a signal, or failed) exits with `os._exit` once it
     has said why: a receive still pending in a blocked transport thread would otherwise hold the
     interpreter's teardown of the process groups for many seconds.
+
+    Only the job's first failure writes torchrun's error file. torchrun's summary names as root cause
+    the failure it dates earliest, to the second: an error file is dated when its rank raised, a rank
+    without one when the agent saw it exit. A rank that fails because another did raises after that
+    one's failure, but a killed rank leaves no file and is dated when the agent polls it, so a follower's
+    file could date it earlier (the flaky "root cause: drafter 1" of a killed target). Without files,
+    followers are dated when the agent stops them, after the rank that failed first.
     """
     import traceback
 
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     from app.errors import UserError
     from app.pipeline.distributed import start_runtime
@@ -70,23 +77,25 @@ def _train_rank(run_config, resume: bool) -> None:
     def log(line: str) -> None:
         _print(line if runtime.layout.is_logger else f"[{runtime.layout.name}] {line}")
 
+    error_file = get_error_handler()  # torchrun's error file of this rank (and faulthandler on)
+    error_file.initialize()
     exit_code = 0
     try:
-        stopped = record(_run_role)(run_config, runtime, resume, log)  # failures: torchrun's summary
+        stopped = _run_role(run_config, runtime, resume, log)
         if stopped is not None:
             log(f"dflash: {stopped}")
             exit_code = STOPPED_EXIT_CODE
     except UserError as error:
-        _report_failure(runtime, error)
+        if _report_failure(runtime, error):
+            error_file.record_exception(error)
         print(f"dflash: error: {error}", file=sys.stderr)
         exit_code = 2
     except BaseException as error:
         if _report_failure(runtime, error):
+            error_file.record_exception(error)
             traceback.print_exc()  # the job's first failure: its traceback is the one worth reading
         else:
-            # torchrun's summary names as root cause the failure it dates earliest, and a killed rank
-            # leaves no error file to date it: let the agent see that rank exit before this one.
-            time.sleep(FOLLOWER_EXIT_DELAY_S)
+            time.sleep(FOLLOWER_EXIT_DELAY_S)  # let the agent see the first failure's rank exit first
         exit_code = 1
     finally:
         runtime.close(clean=exit_code == 0)
