@@ -156,6 +156,8 @@ def test_build_cache_then_a_fresh_process_starts_warm(
     warm_up = next(line for line in done.stdout.splitlines() if line.startswith("compile warm-up:"))
     hits = re.search(r"inductor hit/miss/bypass (\d+)/0/0, autograd hit/miss/bypass (\d+)/0/0", warm_up)
     assert hits and int(hits.group(1)) > 0 and int(hits.group(2)) > 0, warm_up
+    seconds = re.match(r"compile warm-up: ([\d.]+)s \(of which torch\.compile ([\d.]+)s; ", warm_up)
+    assert seconds and 0 < float(seconds.group(2)) <= float(seconds.group(1)) + 0.1, warm_up
     assert f"compile cache: loaded {result.entry.key}" in done.stdout
 
 

@@ -31,7 +31,7 @@ from app.compile.guard import (
 )
 from app.compile.key import cache_key, key_fields
 from app.compile.library_jit import LibraryJitCounter, LibraryJitWatch
-from app.compile.warmup import TrainingStep, warm_up_drafter, warm_up_target
+from app.compile.warmup import TrainingStep, compile_seconds, warm_up_drafter, warm_up_target
 from app.config.schema import RunConfig
 from app.model.target import TargetModel
 from app.telemetry.guard import GuardedWatch
@@ -55,6 +55,9 @@ class CompileReport:
     counters_before: CompileCounters = field(default_factory=CompileCounters)
     counters_after: CompileCounters = field(default_factory=CompileCounters)
     warmup_s: float = 0.0
+    warmup_compile_s: float = 0.0
+    """Of `warmup_s`, the seconds in torch.compile (tracing, and loading or compiling graphs); the rest
+    is the step's own work and its kernels' first launches."""
     baseline_step_s: float | None = None
     """Expected seconds per optimizer step for this run's topology (from the manifest)."""
     problems: list[str] = field(default_factory=list)
@@ -83,6 +86,7 @@ class CompileReport:
             "loaded_artifacts": self.loaded_artifacts,
             "warmup_counters": self.warmup_counters.to_dict(),
             "warmup_s": round(self.warmup_s, 3),
+            "warmup_compile_s": round(self.warmup_compile_s, 3),
             "baseline_step_s": self.baseline_step_s,
             "problems": self.problems,
         }
@@ -126,11 +130,16 @@ def prepare_compiled_training(
     if target is not None:
         compile_target(target)
     report.counters_before = read_counters()
+    compiling_before, _ = compile_seconds()
     report.warmup_s = warm_up_drafter(config, step)
+    report.warmup_compile_s = compile_seconds()[0] - compiling_before
     target_line = warm_up_target(config, target, device) if target is not None else None
     report.counters_after = read_counters()
     verify_fx_trace_flags()
-    log(f"compile warm-up: {report.warmup_s:.1f}s ({report.warmup_counters.describe()})")
+    log(
+        f"compile warm-up: {report.warmup_s:.1f}s (of which torch.compile {report.warmup_compile_s:.1f}s; "
+        f"{report.warmup_counters.describe()})"
+    )
     if target_line:
         log(target_line)
 
