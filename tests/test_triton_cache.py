@@ -5,9 +5,11 @@ Triton writes there after warm-up. Real Triton compiles, for an sm90 target (no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,36 @@ def test_a_baked_kernel_is_found_in_a_fresh_process_s_triton_dir(monkeypatch, tm
     written = stale.stat().st_mtime_ns
     copy_triton_files(read_entry(entry.path), start_dir)  # again, into the same dir: nothing to write
     assert stale.stat().st_mtime_ns == written
+
+
+def test_a_rank_loading_the_entry_never_sees_a_kernel_file_half_written(tmp_path: Path) -> None:
+    """The ranks of a node copy the entry into one Triton dir at once: a rank past its own copy may
+    read a file another is still writing. Each lands by a rename, so a reader sees it whole or not
+    at all (a reader here watches the size of a 32 MiB file while it is copied)."""
+    baked = tmp_path / "baked" / "KERNELHASH"
+    baked.mkdir(parents=True)
+    size = 32 << 20
+    (baked / "k.cubin").write_bytes(os.urandom(1 << 20) * 32)
+    entry = write_entry(tmp_path / "compile_cache", "key", {}, b"x", {}, baked.parent, {}, {})
+    copied = tmp_path / "start" / "KERNELHASH" / "k.cubin"
+    sizes_seen: set[int] = set()
+    copying = threading.Event()
+    copying.set()
+
+    def watch() -> None:
+        while copying.is_set():
+            with contextlib.suppress(FileNotFoundError):
+                sizes_seen.add(copied.stat().st_size)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        copy_triton_files(entry, tmp_path / "start")
+    finally:
+        copying.clear()
+        watcher.join()
+    assert copied.stat().st_size == size and sizes_seen <= {size}
+    assert [path.name for path in copied.parent.iterdir()] == ["k.cubin"]
 
 
 def test_a_damaged_group_file_is_a_damaged_entry(tmp_path: Path) -> None:

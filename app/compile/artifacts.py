@@ -17,6 +17,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,7 +213,8 @@ def copy_triton_host_modules(triton_dir: Path, destination: Path) -> None:
 def copy_triton_files(entry: CacheEntry, triton_dir: Path) -> None:
     """Copy the entry's Triton files into `triton_dir`, keeping files already there (Triton names
     them by content hash), and each kernel's group file pointed at the copies
-    (`_write_relocated_group`)."""
+    (`_write_relocated_group`). Every file lands through a rename: the ranks of a node load the
+    entry into one dir at once, and one must not read a kernel another is still writing."""
     if entry.triton_path is None:
         return
 
@@ -219,7 +222,7 @@ def copy_triton_files(entry: CacheEntry, triton_dir: Path) -> None:
         if os.path.basename(source).startswith(TRITON_GROUP_PREFIX):
             _write_relocated_group(Path(source), Path(destination))
         elif not os.path.exists(destination):
-            shutil.copy2(source, destination)
+            _placed_by_rename(Path(destination), lambda temporary: shutil.copy2(source, temporary))
 
     shutil.copytree(entry.triton_path, triton_dir, copy_function=copy, dirs_exist_ok=True)
 
@@ -234,8 +237,7 @@ def _write_relocated_group(source: Path, destination: Path) -> None:
     Triton finds a compiled kernel through its group file, which names the kernel's files by absolute
     path: as baked, the build's Triton dir, gone after the build. A group whose files are missing is a
     cache miss, so a copy left as it was compiles every baked kernel again (12 kernels, 6 s of the
-    16-layer hybrid target's warm-up on an H200). A stale copy already at `destination` is replaced;
-    through a rename, as two ranks of a node may load the entry into one dir at once."""
+    16-layer hybrid target's warm-up on an H200). A stale copy already at `destination` is replaced."""
     try:
         group = json.loads(source.read_text())
         children = group["child_paths"]
@@ -247,6 +249,15 @@ def _write_relocated_group(source: Path, destination: Path) -> None:
     text = json.dumps({**group, "child_paths": relocated})
     if destination.exists() and destination.read_text() == text:
         return
-    temporary = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, destination)
+    _placed_by_rename(destination, lambda temporary: temporary.write_text(text))
+
+
+def _placed_by_rename(destination: Path, write: Callable[[Path], object]) -> None:
+    """`write` a temporary file beside `destination`, then rename it onto it (removed on error). No
+    fsync: a kernel file lost to a crash is a cache miss, not damage."""
+    temporary = destination.with_name(f".{destination.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        write(temporary)
+        os.replace(temporary, destination)
+    finally:
+        temporary.unlink(missing_ok=True)
