@@ -5,8 +5,8 @@ kernels are Triton JIT outside it, and they compile and autotune once per new in
 10 s each). With the run's target shapes baked (`dflash build-cache`), a steady-state run adds
 nothing to its Triton cache: every entry written there (a compiled kernel, new or compiled again
 into a baked entry, or an autotuning result, which `TRITON_CACHE_AUTOTUNING` keeps on disk) is a
-compile after warm-up, counted like an inductor
-cache miss: a health event, or with `compile.on_cache_miss = abort` the end of the run.
+compile after warm-up, counted like an inductor cache miss: a health event, or with
+`compile.on_cache_miss = abort` the end of the run.
 Target ranks count their own cache and report the count with their stats; the logging drafter rank
 adds them up.
 """
