@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
-from app.bench.drafter import run_drafter_bench
+from app.bench.drafter import _attention_tiles, run_drafter_bench
 from app.bench.profile import profile_table
 from app.compile.warmup import synthetic_batches
 from app.config import load_config, validate_config
@@ -304,6 +304,32 @@ def test_the_projections_flops_times_their_multipliers_are_the_matmuls_autograd_
     assert matmuls == sum(multiplier(name) * value for name, value in projections.items())
 
 
+def test_bench_drafter_sets_flex_s_tiles_against_the_pairs_they_let_through(sliding_setup):
+    """Per layer window, the tiles flex computes (partial and full 128 x 128 tiles of the training
+    BlockMask) and the useful pairs, against the dense mask tiled by brute force, averaged over rows
+    with padding, dead anchor slots and several documents."""
+    arch = sliding_setup[0].arch
+    generator = torch.Generator().manual_seed(3)
+    rows = [synthetic_row(512, 64, VOCAB, num_documents=3, padding=20, valid_anchors=57, generator=generator)]
+    rows.append(synthetic_row(512, 64, VOCAB, document_length=512, generator=generator))  # full tiles
+    tiles = _attention_tiles(arch, rows)
+    assert list(tiles) == [None, 12]  # layer 0 full context, layer 1 the window
+    for window, counted in tiles.items():
+        expected = torch.zeros(3)
+        for row in rows:
+            dense = dense_training_mask(row, arch.block_size, window)
+            query_tiles, key_tiles = (-(-size // 128) for size in dense.shape)
+            padded = torch.zeros(query_tiles * 128, key_tiles * 128, dtype=torch.bool)
+            padded[: dense.shape[0], : dense.shape[1]] = dense
+            per_tile = padded.view(query_tiles, 128, key_tiles, 128).sum((1, 3))
+            expected += torch.tensor(
+                [((per_tile > 0) & (per_tile < 128**2)).sum(), (per_tile == 128**2).sum(), dense.sum()]
+            )
+        assert (counted.partial, counted.full, counted.useful_pairs) == tuple((expected / len(rows)).tolist())
+        assert 0 < counted.useful_pairs < counted.computed_pairs == (counted.partial + counted.full) * 128**2
+    assert tiles[None].full > 0
+
+
 def test_bench_drafter_runs_on_cpu_with_the_tiny_config():
     from app.cli import cli
 
@@ -318,6 +344,7 @@ def test_bench_drafter_runs_on_cpu_with_the_tiny_config():
         "fc (context features -> hidden)",
         "attention (unmasked pairs)",
         "lm_head (supervised slots)",
+        "attention per layer and row (flex's 128 x 128 tiles):\n  full context: ",
         "achieved TFLOP/s",
         "% of 790 peak",
         "peak memory",

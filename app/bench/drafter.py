@@ -28,8 +28,9 @@ from app.compile.apply import compile_drafter
 from app.compile.warmup import synchronize, synthetic_batches
 from app.config import RunConfig
 from app.data.batch import DrafterRow, FeatureBatch
+from app.model.attention import FLEX_TILE, training_block_mask
 from app.model.drafter import DFlashDrafter, DrafterArch
-from app.model.flops import forward_flops, multiplier, step_flops
+from app.model.flops import forward_flops, multiplier, step_flops, visible_pairs
 from app.model.objective import TreeSample
 from app.model.target import target_dtype
 from app.train.step import BorrowedHeads, DrafterStep
@@ -48,6 +49,8 @@ class DrafterBenchResult:
     first_call_s: float
     forward_flops: dict[str, float]
     """Useful forward FLOPs per term (`app.model.flops`)."""
+    attention_tiles: dict[int | None, AttentionTiles]
+    """Per context window of the drafter's layers (None = full), flex's work on the timed rows."""
     step_flops: float
     peak_tflops: float
     peak_memory_bytes: int
@@ -117,13 +120,15 @@ def run_drafter_bench(
         with _no_recompiles(device):
             profile = profile_table(lambda: step(batches[0]), device, profile_rows, "one step")
     row = batches[0].row.to("cpu")
-    terms = _mean_forward_flops(arch, [batches[index % len(batches)].row for index in range(steps)])
+    timed_rows = [batches[index % len(batches)].row for index in range(steps)]
+    terms = _mean_forward_flops(arch, timed_rows)
     return DrafterBenchResult(
         device=torch.cuda.get_device_name(device) if cuda else "cpu",
         shapes=_shapes(config, arch, row),
         step_ms=step_ms,
         first_call_s=first_call_s,
         forward_flops=terms,
+        attention_tiles=_attention_tiles(arch, timed_rows),
         step_flops=step_flops(terms),
         peak_tflops=peak_tflops,
         peak_memory_bytes=peak_memory,
@@ -142,6 +147,44 @@ def _mean_forward_flops(arch: DrafterArch, rows: list[DrafterRow]) -> dict[str, 
     its attention and LM-head work, so one row's count would misstate the others'."""
     counts = [forward_flops(arch, row) for row in rows]
     return {name: sum(float(count[name]) for count in counts) / len(counts) for name in counts[0]}
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """What flex_attention computes in one layer, per row (the mean over the timed rows): the
+    128 x 128 tiles of its BlockMask, partial (mask_mod evaluated) and full, against the pairs the
+    rule lets through. The gap between the two is masking's share of the attention kernels' time."""
+
+    partial: float
+    full: float
+    useful_pairs: float
+
+    @property
+    def computed_pairs(self) -> float:
+        return (self.partial + self.full) * FLEX_TILE**2
+
+    def describe(self) -> str:
+        return (
+            f"{self.partial:,.0f} partial + {self.full:,.0f} full tiles, {self.useful_pairs / 1e6:,.1f}M useful "
+            f"pairs of {self.computed_pairs / 1e6:,.1f}M computed ({100 * self.useful_pairs / self.computed_pairs:.0f}%)"
+        )
+
+
+def _attention_tiles(arch: DrafterArch, rows: list[DrafterRow]) -> dict[int | None, AttentionTiles]:
+    """`AttentionTiles` per distinct layer window, from the BlockMasks training builds for `rows`."""
+    tiles = {}
+    for window in dict.fromkeys(arch.layer_window(layer) for layer in range(arch.num_layers)):
+        masks = [training_block_mask(row, arch.block_size, window) for row in rows]
+        counts = [
+            (
+                float(mask.kv_num_blocks.sum()),
+                float(mask.full_kv_num_blocks.sum()),
+                float(visible_pairs(row, arch.block_size, window)),
+            )
+            for mask, row in zip(masks, rows, strict=True)
+        ]
+        tiles[window] = AttentionTiles(*(sum(column) / len(rows) for column in zip(*counts, strict=True)))
+    return tiles
 
 
 def _shapes(config: RunConfig, arch: DrafterArch, row: DrafterRow) -> dict[str, int]:
@@ -180,6 +223,9 @@ def format_report(result: DrafterBenchResult) -> str:
         f"peak memory: {result.peak_memory_bytes / 2**30:.2f} GiB"
         + (" (max allocated)" if result.host_syncs is not None else " (process peak RSS)"),
     ]
+    lines.append("attention per layer and row (flex's 128 x 128 tiles):")
+    for window, tiles in result.attention_tiles.items():
+        lines.append(f"  {'full context' if window is None else f'window {window}'}: {tiles.describe()}")
     if result.tree_step_ms is not None:
         lines.append(_tree_proxy_line(result))
     if result.host_syncs is not None:

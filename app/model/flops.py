@@ -38,7 +38,7 @@ def forward_flops(arch: DrafterArch, row: DrafterRow) -> dict[str, FlopCount]:
     hidden, layers = arch.hidden_size, arch.num_layers
     q_width = arch.num_attention_heads * arch.head_dim
     kv_width = arch.num_key_value_heads * arch.head_dim
-    pairs = sum(_visible_pairs(row, arch.block_size, arch.layer_window(i)) for i in range(layers))
+    pairs = sum(visible_pairs(row, arch.block_size, arch.layer_window(i)) for i in range(layers))
     _, supervised = block_labels(row, arch.block_size)
     return {
         "fc (context features -> hidden)": 2 * context * arch.feature_size * hidden,
@@ -66,7 +66,7 @@ def step_flops(terms: dict[str, FlopCount]) -> FlopCount:
     return sum(value * multiplier(name) for name, value in terms.items())
 
 
-def _visible_pairs(row: DrafterRow, block_size: int, window: int | None) -> torch.Tensor:
+def visible_pairs(row: DrafterRow, block_size: int, window: int | None) -> torch.Tensor:
     """(query, key) pairs the training mask lets through for one layer (a 0-d tensor, no host sync:
     masking by `anchor_valid` instead of indexing with it, which would read its count)."""
     valid = row.anchor_valid
