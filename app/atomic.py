@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write to a temp file in the same directory, fsync, then rename over `path`."""
+def write_bytes_atomic(path: str | Path, data: bytes, *, durable: bool = True) -> None:
+    """Write to a temp file in the same directory, fsync, then rename over `path`. `durable=False`
+    skips the fsync, for files a crash may lose but must never leave half-written (a cache's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -25,16 +26,17 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         os.fchmod(fd, 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    write_bytes_atomic(path, text.encode())
+def write_text_atomic(path: str | Path, text: str, *, durable: bool = True) -> None:
+    write_bytes_atomic(path, text.encode(), durable=durable)
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:

@@ -17,13 +17,11 @@ import hashlib
 import json
 import os
 import shutil
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.atomic import fsync_tree, replace_directory
+from app.atomic import fsync_tree, replace_directory, write_bytes_atomic, write_text_atomic
 from app.compile.key import KeyFields
 from app.errors import UserError
 
@@ -222,7 +220,7 @@ def copy_triton_files(entry: CacheEntry, triton_dir: Path) -> None:
         if os.path.basename(source).startswith(TRITON_GROUP_PREFIX):
             _write_relocated_group(Path(source), Path(destination))
         elif not os.path.exists(destination):
-            _placed_by_rename(Path(destination), lambda temporary: shutil.copy2(source, temporary))
+            write_bytes_atomic(destination, Path(source).read_bytes(), durable=False)
 
     shutil.copytree(entry.triton_path, triton_dir, copy_function=copy, dirs_exist_ok=True)
 
@@ -249,15 +247,4 @@ def _write_relocated_group(source: Path, destination: Path) -> None:
     text = json.dumps({**group, "child_paths": relocated})
     if destination.exists() and destination.read_text() == text:
         return
-    _placed_by_rename(destination, lambda temporary: temporary.write_text(text))
-
-
-def _placed_by_rename(destination: Path, write: Callable[[Path], object]) -> None:
-    """`write` a temporary file beside `destination`, then rename it onto it (removed on error). No
-    fsync: a kernel file lost to a crash is a cache miss, not damage."""
-    temporary = destination.with_name(f".{destination.name}.{os.getpid()}-{threading.get_ident()}.tmp")
-    try:
-        write(temporary)
-        os.replace(temporary, destination)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_text_atomic(destination, text, durable=False)  # a crash loses it: a cache miss, not damage
