@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from torch._inductor.utils import run_and_get_code
 
 from app.bench.target import format_report, run_target_bench
-from app.compile.apply import compile_drafter, compile_target
+from app.compile.apply import compile_drafter, compile_target, compiled_ce_chunk
 from app.compile.artifacts import list_entries
 from app.compile.build import build_cache
 from app.compile.guard import RecompileError, enter_steady_state, recompile_errors
@@ -159,6 +160,27 @@ def test_build_cache_then_a_fresh_process_starts_warm(
     seconds = re.match(r"compile warm-up: ([\d.]+)s \(of which torch\.compile ([\d.]+)s; ", warm_up)
     assert seconds and 0 < float(seconds.group(2)) <= float(seconds.group(1)) + 0.1, warm_up
     assert f"compile cache: loaded {result.entry.key}" in done.stdout
+
+
+def test_the_loss_s_ce_chunk_is_one_online_softmax_pass_and_exact() -> None:
+    """At the Qwen3-8B recipe's chunk (128 anchors x 15 slots over a 151,936 vocab) the compiled CE
+    chunk finds the softmax's max and sum in one online pass (inductor's pattern; torch.logsumexp's
+    decomposition misses it and reads the logits a third time), and equals cross_entropy: loss,
+    gradient, and an argmax at each row's maximum."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    rows, vocab = 128 * 15, 151_936
+    logits = (4 * torch.randn(rows, vocab, device="cuda", generator=generator)).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+    weights = torch.rand(rows, device="cuda", generator=generator)
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cache hit generates no code
+        (loss, grad, predictions), sources = run_and_get_code(compiled_ce_chunk(), logits, labels, weights)
+    assert any("online_softmax" in source for source in sources)
+    reference = logits.float().requires_grad_()
+    expected = (F.cross_entropy(reference, labels, reduction="none") * weights).sum()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(grad.float(), reference.grad, rtol=1e-2, atol=1e-7)
+    assert torch.equal(logits.float().gather(-1, predictions[:, None]).squeeze(-1), logits.float().amax(-1))
 
 
 def test_counting_a_step_s_flops_does_not_synchronise_with_the_host() -> None:
@@ -432,8 +454,8 @@ def test_bench_target_times_each_mode_at_each_shape(persistent_tmp: Path, monkey
 
 def test_bench_target_profiles_each_mode_s_kernels_on_request(persistent_tmp: Path, monkeypatch) -> None:
     """Each mode's forward at the longest shape, its GPU kernels ranked: each kernel counted once (the
-    table's total is the forward's time, not twice it), and the compiled forward runs inductor's
-    fused norms and MLPs."""
+    table's total is the forward's time, not twice it), then where the GPU sat idle; the compiled
+    forward runs inductor's fused norms and MLPs."""
     config = bench_target_config(persistent_tmp, monkeypatch)
     lines: list[str] = []
     result = run_target_bench(
@@ -441,7 +463,8 @@ def test_bench_target_profiles_each_mode_s_kernels_on_request(persistent_tmp: Pa
     )
     assert sorted(result.profiles) == ["compiled", "eager"]
     for mode, table in result.profiles.items():
-        header, *rows = table.splitlines()
+        header, *rows, idle = table.splitlines()
+        assert re.fullmatch(r"GPU idle: [\d.]+ ms before the first kernel, [\d.]+ ms in \d+ gaps of .*", idle)
         match = re.fullmatch(
             rf"profile of the {mode} forward at 2 x 512 \(time on the GPU, top (\d+) of (\d+) kernels, "
             r"([\d.]+) ms in all\):",

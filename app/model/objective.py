@@ -277,17 +277,24 @@ def weighted_ce_chunk(
 
     Written as reductions plus one pointwise expression (the one-hot is a comparison with the vocab
     index, not a scatter), so compiled it is two passes over the logits in fp32 registers and writes
-    the gradient once, in the logits' dtype: no vocab-sized fp32 buffer per chunk.
+    the gradient once, in the logits' dtype: no vocab-sized fp32 buffer per chunk. The normaliser is
+    spelled as softmax's max, shift, exp and sum, the pattern inductor turns into one online pass for
+    the max and the sum together (on CUDA). `torch.logsumexp` decomposes with a guard against
+    infinite maxima that breaks the pattern and costs a third pass over the logits. The guard is not
+    needed: the logits of a finite step are finite, and a non-finite step is skipped whole.
     """
     dtype = logits.dtype
     logits = logits.float()
     predictions = logits.argmax(dim=-1)
-    log_normaliser = torch.logsumexp(logits, dim=-1)
+    row_max = logits.amax(dim=-1, keepdim=True)
+    exp = (logits - row_max).exp()
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    log_normaliser = (row_max + sum_exp.log()).squeeze(-1)
     label_logits = logits.gather(-1, labels[:, None]).squeeze(-1)
     loss = ((log_normaliser - label_logits) * weights).sum()
     # d(w * CE)/d(logits) = w * (softmax - one_hot)
     one_hot = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
-    grad = (torch.exp(logits - log_normaliser[:, None]) - one_hot.float()) * weights[:, None]
+    grad = (exp / sum_exp - one_hot.float()) * weights[:, None]
     return loss, grad.to(dtype), predictions
 
 
