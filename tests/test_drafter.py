@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 from app.bench.drafter import _attention_tiles, run_drafter_bench
-from app.bench.profile import profile_table
+from app.bench.profile import IDLE_GAP_US, device_idle, profile_table
 from app.compile.warmup import synthetic_batches
 from app.config import load_config, validate_config
 from app.data.synthetic import synthetic_row
@@ -423,6 +423,27 @@ def test_a_profile_ranks_operators_by_self_time_with_their_counts():
     assert len(rows) == 2 and rows[0].split()[3:] == ["x3", "aten::mm"]
     shares = [float(row.split()[2].rstrip("%")) for row in rows]
     assert shares[0] >= shares[1] > 0 and sum(shares) <= 100.05
+
+
+def test_the_gpu_s_idle_time_is_the_gaps_between_kernels_of_all_streams():
+    """Overlapping kernels (two streams) are one busy stretch; a wait under IDLE_GAP_US is a launch's
+    latency; the wait before the first kernel is counted apart; the largest gap names what came after."""
+    kernels = [
+        (110.0, 300.0, "gemm"),  # 10 us after the host started
+        (150.0, 200.0, "other_stream"),  # inside gemm, on another stream: still busy until 300
+        (303.0, 400.0, "softmax"),  # 3 us: a launch's latency, not idle
+        (900.0, 950.0, "flex_backward"),  # 500 us idle
+        (1000.0, 1010.0, "copy"),  # 50 us idle
+    ]
+    line = device_idle(list(reversed(kernels)), started_us=100.0)
+    assert line == (
+        "GPU idle: 0.01 ms before the first kernel, 0.55 ms in 2 gaps of 5 us or more between kernels "
+        "(largest 0.50 ms, before flex_backward)"
+    )
+    assert device_idle([(5.0, 9.0, "only")], started_us=5.0) == (
+        "GPU idle: 0.00 ms before the first kernel, 0.00 ms in 0 gaps of 5 us or more between kernels"
+    )
+    assert IDLE_GAP_US == 5.0
 
 
 def test_synthetic_rows_pack_documents_of_the_run_s_longest_samples():
