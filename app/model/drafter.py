@@ -276,11 +276,26 @@ class DrafterLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        context: torch.Tensor,
+        context_rope: tuple[torch.Tensor, torch.Tensor],
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attend: Attend,
+    ) -> torch.Tensor:
+        """Training: the block tokens `hidden [Q, H]` over the row's `context [T, H]` (the normed
+        features), whose K/V this layer projects here, inside its compiled graph: eager, their norm
+        and RoPE were a few dozen passes over the context's K/V per layer, forward and backward."""
+        context_key, context_value = self.self_attn.key_value(context, context_rope)
+        return self.over_context_kv(hidden, context_key, context_value, rope, attend)
+
+    def over_context_kv(
+        self,
+        hidden: torch.Tensor,
         context_key: torch.Tensor,
         context_value: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attend: Attend,
     ) -> torch.Tensor:
+        """The layer over context K/V already projected (a draft round's cache), eager."""
         hidden = hidden + self.self_attn(
             self.input_layernorm(hidden), context_key, context_value, rope, attend
         )
@@ -373,10 +388,7 @@ class DFlashDrafter(nn.Module):
             row, block, self._windows(), self.attention_backend, self.kernels.flex_attention
         )
         for index, layer in enumerate(self.layers):
-            context_key, context_value = layer.self_attn.key_value(context, context_rope)
-            hidden = layer(
-                hidden, context_key, context_value, block_rope, attention[arch.layer_window(index)]
-            )
+            hidden = layer(hidden, context, context_rope, block_rope, attention[arch.layer_window(index)])
         return self.norm(hidden).view(num_anchors, block, arch.hidden_size)
 
     # ---- speculative decoding ---------------------------------------------------------------------
@@ -438,9 +450,7 @@ class DFlashDrafter(nn.Module):
             def attend(query, key, value, mask=mask):
                 return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
 
-            hidden = layer.forward(
-                hidden, cache.keys[index], cache.values[index], rope, attend
-            )  # eager, see above
+            hidden = layer.over_context_kv(hidden, cache.keys[index], cache.values[index], rope, attend)
         hidden = self.norm.forward(hidden)[1:]
         return lm_head(hidden.to(lm_head.weight.dtype)).float()
 
