@@ -19,6 +19,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from app.compile.apply import reset_compiled_state
 from app.compile.artifacts import (
     ARTIFACTS,
     CacheEntryError,
@@ -48,11 +49,12 @@ from app.compile.guard import (
     throughput_watch,
     verify_fx_trace_flags,
 )
-from app.compile.key import MACHINE_GROUPS, cache_key, diff_fields, key_fields
+from app.compile.key import COMPILED_SOURCES, MACHINE_GROUPS, cache_key, diff_fields, key_fields
 from app.compile.prepare import _warn_if_built_elsewhere, prepare_compiled_training, prepare_target_rank
 from app.config import load_config, validate_config
 from app.config.schema import BUILTIN_TARGETS, CompileConfig
 from app.errors import UserError
+from app.model.ce_kernel import _weighted_ce_rows
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import load_target
 from app.train.step import DrafterStep
@@ -140,6 +142,7 @@ def test_key_covers_machine_inductor_shapes_and_code_and_is_stable():
         assert name in fields, name
     assert fields["shape.token_budget"] == 1024 and fields["shape.anchors"] == 64
     assert fields["code.uv_lock"] is not None  # the checkout's uv.lock is found and hashed
+    assert _weighted_ce_rows.fn.__module__ in COMPILED_SOURCES  # the loss's Triton kernel, baked in the entry
     assert cache_key(tiny_fields()) == cache_key(fields)
     assert cache_key(fields).startswith("cpu-")
     assert cache_key({**fields, **H200}).startswith("nvidia-h200-sm90-")
@@ -503,3 +506,13 @@ def test_build_cache_needs_a_gpu():
 
     with pytest.raises(UserError, match="build-cache: no CUDA device visible"):
         build_cache(tiny_config(), DrafterStep)
+
+
+def test_resetting_the_compiled_state_forgets_the_loss_s_triton_kernel():
+    """build-cache starts from `reset_compiled_state`, then runs the loss's Triton kernel into the
+    build's Triton dir to bake it. A copy compiled earlier in the process (a notebook, the test suite)
+    stays in Triton's memory and that call would write nothing: the entry would lack the kernel and
+    every warm start compile it (the GPU tier's fresh-process test saw "Triton: 1 compiled")."""
+    _weighted_ce_rows.device_caches[0] = ("the kernel, compiled before the build",)
+    reset_compiled_state()
+    assert not _weighted_ce_rows.device_caches

@@ -1,6 +1,9 @@
 """The objective: labels, decayed weights, chunked LM head + CE (values, gradients, memory), metrics, noise."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -133,6 +136,68 @@ def test_chunked_ce_equals_the_full_logits_computation(chunk_size, bias):
     torch.testing.assert_close(chunked_grad, hidden.grad)
     assert torch.equal(predictions, expected_predictions)
     assert lm_head.weight.grad is None
+
+
+TRITON_CE_SCRIPT = """
+import sys, torch
+from torch import nn
+import app.model.ce_kernel as kernel
+from app.model.objective import chunked_lm_head_ce
+kernel.BLOCK = 64  # vocab 257: four whole loop iterations and a last one of a single logit
+generator = torch.Generator().manual_seed(0)
+logits = 4 * torch.randn(6, 257, generator=generator)
+logits[1, [3, 67, 200]] = 30.0  # a tie, 3 and 67 in one lane: the argmax is the first
+logits[2, 256] = 30.0  # the largest logit in the last, partial iteration
+labels = torch.tensor([0, 3, 256, 17, 100, 5])
+weights = torch.tensor([1.0, 0.5, 2.0, 0.0, 0.25, 1.0])
+spent = {dtype: logits.to(dtype, copy=True) for dtype in (torch.float32, torch.bfloat16)}  # written over
+direct = {dtype: kernel.triton_ce_chunk(copy, labels, weights) for dtype, copy in spent.items()}
+lm_head = nn.Linear(32, 257, bias=False).requires_grad_(False)
+hidden = torch.randn(7, 4, 32, generator=generator, requires_grad=True)
+row_labels = torch.randint(0, 257, (7, 4), generator=generator)
+row_weights = torch.rand(7, 4, generator=generator)
+loss, predictions = chunked_lm_head_ce(hidden, lm_head, row_labels, row_weights, 3, kernel.triton_ce_chunk)
+loss.backward()
+torch.save({"logits": logits, "labels": labels, "weights": weights, "direct": direct, "lm_head": lm_head.weight,
+            "hidden": hidden.detach(), "row_labels": row_labels, "row_weights": row_weights, "loss": loss.detach(),
+            "predictions": predictions, "grad": hidden.grad}, sys.argv[1])
+"""
+
+
+def test_the_cuda_ce_kernel_equals_cross_entropy_in_triton_s_interpreter(tmp_path):
+    """The loss's Triton kernel (CUDA's CE chunk), run by Triton's interpreter on the CPU: the weighted
+    CE sum, its gradient written over the logits and the first argmax equal cross_entropy's, for a
+    vocab that ends in a partial loop iteration, a tie, a zero weight; and the chunked loss over it
+    (the gradient read back from the spent logits) equals the full computation."""
+    out = tmp_path / "results.pt"
+    environment = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", TRITON_CE_SCRIPT, str(out)], env=environment, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(out)
+    logits, labels, weights = got["logits"], got["labels"], got["weights"]
+    for dtype, (loss, grad, predictions) in got["direct"].items():
+        reference = logits.to(dtype).float().detach().requires_grad_()
+        expected = (F.cross_entropy(reference, labels, reduction="none") * weights).sum()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        assert grad.dtype == dtype
+        torch.testing.assert_close(
+            grad.float(), reference.grad, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-6
+        )
+        assert predictions.tolist() == logits.to(dtype).argmax(-1).tolist() and predictions[1:3].tolist() == [
+            3,
+            256,
+        ]
+    lm_head = nn.Linear(32, VOCAB, bias=False).requires_grad_(False)
+    lm_head.weight.copy_(got["lm_head"])
+    hidden = got["hidden"].requires_grad_()
+    expected, expected_predictions = naive_weighted_ce(hidden, lm_head, got["row_labels"], got["row_weights"])
+    expected.backward()
+    torch.testing.assert_close(got["loss"], expected)
+    torch.testing.assert_close(got["grad"], hidden.grad)
+    assert torch.equal(got["predictions"], expected_predictions)
 
 
 def test_the_lm_head_must_be_frozen():

@@ -3,10 +3,11 @@ the loss stay plain PyTorch, and every compiled kernel is made here, once per pr
 thread (compiling flex_attention from several threads at once broke the incident's run).
 
 What compiles (CUDA only): every decoder layer and norm of the drafter (fuses the norms, RoPE and
-SwiGLU around the attention), flex_attention with the training BlockMask, and the loss's
-cross-entropy chunk (fuses its softmax passes over the vocab), all with dynamic=False (the shapes are
-fixed); and the target's norms, MLPs and RoPE, dynamic in the token count only (`compile_target`). On CPU
-nothing compiles: the compiled flex backward fails there, and training runs eager SDPA.
+SwiGLU around the attention), flex_attention with the training BlockMask, all with dynamic=False (the
+shapes are fixed); and the target's norms, MLPs and RoPE, dynamic in the token count only
+(`compile_target`). The loss's cross-entropy chunk is a Triton kernel of its own (`app.model.ce_kernel`),
+handed to the drafter here with the compiled ones. On CPU nothing compiles: the compiled flex backward
+fails there, and training runs eager SDPA.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from torch.compiler._cache import CacheArtifactManager
 from torch.nn.attention.flex_attention import flex_attention
 
 from app.model.attention import FlexKernel
+from app.model.ce_kernel import forget_compiled_kernel, triton_ce_chunk
 from app.model.drafter import CompiledKernels, DFlashDrafter
-from app.model.objective import CeChunk, weighted_ce_chunk
 from app.model.target import TargetModel
 
 
@@ -34,7 +35,7 @@ def compile_drafter(drafter: DFlashDrafter) -> None:
     require_main_thread("the drafter")
     for module in (drafter.hidden_norm, *drafter.layers, drafter.norm):
         module.compile(dynamic=False)
-    drafter.kernels = CompiledKernels(flex_attention=compiled_flex_attention(), ce_chunk=compiled_ce_chunk())
+    drafter.kernels = CompiledKernels(flex_attention=compiled_flex_attention(), ce_chunk=triton_ce_chunk)
 
 
 def compile_target(target: TargetModel) -> int:
@@ -131,21 +132,16 @@ def compiled_flex_attention() -> FlexKernel:
     return torch.compile(flex_attention, dynamic=False)
 
 
-@functools.cache
-def compiled_ce_chunk() -> CeChunk:
-    require_main_thread("cross-entropy chunk")
-    return torch.compile(weighted_ce_chunk, dynamic=False)
-
-
 def reset_compiled_state() -> None:
-    """Forget every graph this process compiled (dynamo's code caches, the shared kernels above) and
-    the cache artifacts recorded so far, as in a new process: what compiles next is looked up or
-    compiled afresh, and recorded. build-cache starts from here, so an entry built in a process that
-    compiled before (a notebook, the test suite) still holds every artifact its run will load."""
+    """Forget every graph this process compiled (dynamo's code caches, the shared kernels above, the
+    loss's Triton kernel) and the cache artifacts recorded so far, as in a new process: what compiles
+    next is looked up or compiled afresh, and recorded. build-cache starts from here, so an entry built
+    in a process that compiled before (a notebook, the test suite) still holds every artifact and
+    Triton file its run will load."""
     require_main_thread("the compiled state")
     torch.compiler.reset()
     compiled_flex_attention.cache_clear()
-    compiled_ce_chunk.cache_clear()
+    forget_compiled_kernel()
     CacheArtifactManager.clear()
 
 

@@ -45,6 +45,7 @@ from app.compile.warmup import (
     uses_library_triton_kernels,
     warm_target_shapes,
     warm_up_drafter,
+    warm_up_own_triton_kernels,
     warm_up_target,
 )
 from app.config.schema import RunConfig
@@ -115,17 +116,20 @@ def _compile_and_save(
     target = load_target(config, device)
     baked_triton = staging / "triton-baked"
     target_warm_s = None
+    reset_compiled_state()
+    # Before anything inductor compiles: the Triton dir then holds the library's kernels and the
+    # drafter's own only (inductor's come back with its cache artifacts).
     if uses_library_triton_kernels(target):
-        # Before anything inductor compiles: the Triton dir then holds the library's kernels only.
         shapes = TargetShapes.from_config(config.data)
         phase(f"target forward at each of the run's {shapes.describe()} (library Triton JIT and autotuning)")
         target_warm_s = warm_target_shapes(config, target, device, phase)
-        shutil.copytree(dirs.triton, baked_triton)
+    phase("the drafter's own Triton kernel (the loss's cross-entropy chunk)")
+    warm_up_own_triton_kernels(target.lm_head)
+    shutil.copytree(dirs.triton, baked_triton)
 
     phase(
         "compiling drafter forward + backward + chunked loss at the run's shapes, and the target's norms, MLPs and RoPE (cold)"
     )
-    reset_compiled_state()
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     compile_drafter(drafter)
     compile_target(target)

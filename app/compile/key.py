@@ -54,13 +54,14 @@ COMPILED_SOURCES = (
     "app.model.attention",
     "app.model.drafter",
     "app.model.objective",
+    "app.model.ce_kernel",
     "app.compile.apply",
     "app.model.gated_deltanet",
 )
 """Modules whose functions torch.compile traces, or that decide what it traces and how (the target's
 modules and their flattened inputs), or which shapes the baked library kernels are built for (the
-hybrid target's q, k and v as flash-linear-attention's kernels get them): an edit there changes the
-entry's contents."""
+hybrid target's q, k and v as flash-linear-attention's kernels get them), or the drafter's own
+Triton kernel that the entry bakes: an edit there changes the entry's contents."""
 
 KEY_HASH_CHARS = 16
 

@@ -30,7 +30,7 @@ from app.compile.guard import (
     verify_fx_trace_flags,
 )
 from app.compile.key import cache_key, key_fields
-from app.compile.library_jit import LibraryJitCounter, LibraryJitWatch
+from app.compile.library_jit import LibraryJitCounter, LibraryJitWatch, counting_triton_compiles
 from app.compile.warmup import TrainingStep, compile_seconds, warm_up_drafter, warm_up_target
 from app.config.schema import RunConfig
 from app.model.target import TargetModel
@@ -131,14 +131,15 @@ def prepare_compiled_training(
         compile_target(target)
     report.counters_before = read_counters()
     compiling_before, _ = compile_seconds()
-    report.warmup_s = warm_up_drafter(config, step)
+    with counting_triton_compiles() as own_kernels:  # the loss's Triton kernel: baked, it only loads
+        report.warmup_s = warm_up_drafter(config, step)
     report.warmup_compile_s = compile_seconds()[0] - compiling_before
     target_line = warm_up_target(config, target, device) if target is not None else None
     report.counters_after = read_counters()
     verify_fx_trace_flags()
     log(
         f"compile warm-up: {report.warmup_s:.1f}s (of which torch.compile {report.warmup_compile_s:.1f}s; "
-        f"{report.warmup_counters.describe()})"
+        f"{report.warmup_counters.describe()}; {own_kernels.describe()})"
     )
     if target_line:
         log(target_line)

@@ -21,6 +21,7 @@ from app.config import RunConfig
 from app.data.batch import FeatureBatch
 from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
+from app.model.ce_kernel import triton_ce_chunk
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel, is_hybrid, target_dtype
 
@@ -145,6 +146,17 @@ def uses_library_triton_kernels(target: TargetModel) -> bool:
     autotunes Triton kernels for each new input shape (about 40 s on its first forward on an H200,
     up to 10 s per new shape): those belong in the baked cache."""
     return is_hybrid(target.text_config) and importlib.util.find_spec("fla") is not None
+
+
+def warm_up_own_triton_kernels(lm_head: torch.nn.Linear) -> None:
+    """Compile the drafter's own Triton kernel, the loss's cross-entropy chunk, for the logits of the
+    target's LM head (its vocab and dtype; the chunk's row count is only its launch grid):
+    build-cache bakes it beside the library kernels, so a warm start loads it rather than compiling it."""
+    weight = lm_head.weight
+    logits = torch.zeros(1, weight.shape[0], device=weight.device, dtype=weight.dtype)
+    first = torch.zeros(1, device=weight.device, dtype=torch.long)
+    triton_ce_chunk(logits, first, torch.zeros(1, device=weight.device))
+    synchronize(weight.device)
 
 
 def warm_target_shapes(config: RunConfig, target: TargetModel, device: torch.device, log: Log) -> float:

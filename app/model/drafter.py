@@ -328,7 +328,8 @@ class CompiledKernels:
 
     flex_attention: FlexKernel | None = None
     ce_chunk: CeChunk | None = None
-    """The loss's `weighted_ce_chunk`, compiled (read by the training step, which calls the loss)."""
+    """The loss's cross-entropy chunk on CUDA, `app.model.ce_kernel.triton_ce_chunk` (read by the
+    training step, which calls the loss)."""
 
 
 class DFlashDrafter(nn.Module):

@@ -34,7 +34,8 @@ from app.model.tree import grow_tree, top_k_per_depth
 CeChunk = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 ]
-"""`ce_chunk(logits [n, V], labels [n], weights [n]) -> (weighted CE sum, d/d logits, argmax)`."""
+"""`ce_chunk(logits [n, V], labels [n], weights [n]) -> (weighted CE sum, d/d logits, argmax)`; it may
+write the gradient over `logits` (the CUDA kernel does): the caller's logits are spent."""
 
 
 @dataclass
@@ -215,8 +216,9 @@ def chunked_lm_head_ce(
     """sum(weights * CE(lm_head(hidden), labels)) and the argmax predictions, `chunk_size` anchors at a time.
 
     `hidden [A, S, H]`, `labels`/`weights [A, S]`. The LM head must be frozen: only `hidden` gets a gradient.
-    `ce_chunk` computes each chunk: the compiled `weighted_ce_chunk` (it fuses the softmax passes over
-    the vocab; `app.compile.apply`), required on CUDA; None runs it eagerly elsewhere.
+    `ce_chunk` computes each chunk: on CUDA the Triton kernel `app.model.ce_kernel.triton_ce_chunk`
+    (handed over by `app.compile.apply.compile_drafter`), required there; None runs
+    `weighted_ce_chunk` eagerly elsewhere.
     """
     if lm_head.weight.requires_grad:
         raise ValueError("chunked_lm_head_ce: the LM head must be frozen (requires_grad=False)")
@@ -225,8 +227,8 @@ def chunked_lm_head_ce(
     if ce_chunk is None:
         if hidden.device.type == "cuda":
             raise UncompiledKernelOnCudaError(
-                "the loss's cross-entropy chunk is not compiled on CUDA (its vocab-sized passes run "
-                "unfused); compile the drafter first (app.compile.apply.compile_drafter)"
+                "the loss's cross-entropy chunk has no CUDA kernel (its vocab-sized passes would run "
+                "eagerly, unfused); compile the drafter first (app.compile.apply.compile_drafter)"
             )
         ce_chunk = weighted_ce_chunk
     return _ChunkedLinearCrossEntropy.apply(
@@ -273,15 +275,11 @@ def weighted_ce_chunk(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE sum, its gradient w.r.t. the logits (in the logits' dtype), and the argmax, for
-    `logits [n, V]`.
+    `logits [n, V]`: what one chunk of the loss computes, in plain PyTorch (the CPU's path; on CUDA
+    the Triton kernel `app.model.ce_kernel` computes the same in two passes over the logits).
 
-    Written as reductions plus one pointwise expression (the one-hot is a comparison with the vocab
-    index, not a scatter), so compiled it is two passes over the logits in fp32 registers and writes
-    the gradient once, in the logits' dtype: no vocab-sized fp32 buffer per chunk. The normaliser is
-    spelled as softmax's max, shift, exp and sum, the pattern inductor turns into one online pass for
-    the max and the sum together (on CUDA). `torch.logsumexp` decomposes with a guard against
-    infinite maxima that breaks the pattern and costs a third pass over the logits. The guard is not
-    needed: the logits of a finite step are finite, and a non-finite step is skipped whole.
+    The normaliser is softmax's max, shift, exp and sum, without `torch.logsumexp`'s guard against
+    infinite maxima: the logits of a finite step are finite, and a non-finite step is skipped whole.
     """
     dtype = logits.dtype
     logits = logits.float()
