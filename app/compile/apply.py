@@ -22,7 +22,6 @@ from torch.compiler._cache import CacheArtifactManager
 from torch.nn.attention.flex_attention import flex_attention
 
 from app.model.attention import FlexKernel
-from app.model.ce_kernel import forget_compiled_kernel, triton_ce_chunk
 from app.model.drafter import CompiledKernels, DFlashDrafter
 from app.model.target import TargetModel
 
@@ -33,6 +32,9 @@ def compile_drafter(drafter: DFlashDrafter) -> None:
     if drafter.fc.weight.device.type != "cuda":
         raise RuntimeError("compile_drafter: only on CUDA (compiled flex_attention backward fails on CPU)")
     require_main_thread("the drafter")
+    # Triton comes with torch's Linux x86-64 wheels only: imported where CUDA runs, not with this module
+    from app.model.ce_kernel import triton_ce_chunk
+
     for module in (drafter.hidden_norm, *drafter.layers, drafter.norm):
         module.compile(dynamic=False)
     drafter.kernels = CompiledKernels(flex_attention=compiled_flex_attention(), ce_chunk=triton_ce_chunk)
@@ -139,6 +141,8 @@ def reset_compiled_state() -> None:
     in a process that compiled before (a notebook, the test suite) still holds every artifact and
     Triton file its run will load."""
     require_main_thread("the compiled state")
+    from app.model.ce_kernel import forget_compiled_kernel  # Triton: see compile_drafter
+
     torch.compiler.reset()
     compiled_flex_attention.cache_clear()
     forget_compiled_kernel()

@@ -21,7 +21,6 @@ from app.config import RunConfig
 from app.data.batch import FeatureBatch
 from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
-from app.model.ce_kernel import triton_ce_chunk
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel, is_hybrid, target_dtype
 
@@ -152,6 +151,8 @@ def warm_up_own_triton_kernels(lm_head: torch.nn.Linear) -> None:
     """Compile the drafter's own Triton kernel, the loss's cross-entropy chunk, for the logits of the
     target's LM head (its vocab and dtype; the chunk's row count is only its launch grid):
     build-cache bakes it beside the library kernels, so a warm start loads it rather than compiling it."""
+    from app.model.ce_kernel import triton_ce_chunk  # Triton: see app.compile.apply.compile_drafter
+
     weight = lm_head.weight
     logits = torch.zeros(1, weight.shape[0], device=weight.device, dtype=weight.dtype)
     first = torch.zeros(1, device=weight.device, dtype=torch.long)
