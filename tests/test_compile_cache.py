@@ -384,6 +384,31 @@ def test_inductor_dir_is_persistent_and_writable(monkeypatch, tmp_path, persiste
     assert dirs.triton == persistent_tmp / "triton"  # an explicit, persistent TRITON_CACHE_DIR is kept
 
 
+def test_compile_dirs_pin_triton_to_the_ptxas_inductor_compiles_with(monkeypatch, tmp_path, persistent_tmp):
+    """Triton's cache key holds the ptxas version, and inductor exports torch's ptxas only when it
+    compiles a kernel itself (a warm start never does): so the compile dirs pin it for the whole
+    process, or build-cache and a warm start key one kernel two ways. Here on a torch tree that
+    ships a ptxas, as the CUDA wheels do."""
+    from torch._inductor.runtime import compile_tasks
+
+    fake_torch = tmp_path / "torch"
+    ptxas = fake_torch / "bin" / "ptxas"
+    ptxas.parent.mkdir(parents=True)
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setattr(
+        compile_tasks, "__file__", str(fake_torch / "_inductor" / "runtime" / "compile_tasks.py")
+    )
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "")  # so that the test's own setting is undone
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    compile_tasks._set_triton_ptxas_path.cache_clear()
+    try:
+        use_compile_dirs(persistent_tmp / "inductor", persistent_tmp / "triton")
+        assert os.environ["TRITON_PTXAS_PATH"] == str(ptxas)
+    finally:
+        compile_tasks._set_triton_ptxas_path.cache_clear()
+
+
 def test_each_key_builds_and_starts_in_its_own_inductor_dir(built, tmp_path):
     """Inductor looks for a kernel's tuned launch config beside the source path pickled at build
     time, so build and start share one path per key, and the build starts from an empty one."""

@@ -97,4 +97,21 @@ def use_compile_dirs(inductor_dir: Path, triton_dir: Path | None = None) -> Comp
             ) from None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
     os.environ["TRITON_CACHE_DIR"] = str(triton_dir)
+    pin_triton_ptxas()
     return CompileDirs(inductor=inductor_dir, triton=triton_dir)
+
+
+def pin_triton_ptxas() -> None:
+    """Point Triton at the ptxas inductor compiles with (torch's own: its CUDA wheels ship one), for
+    every kernel of this process, before anything compiles.
+
+    Inductor exports TRITON_PTXAS_PATH when it first compiles a kernel itself, and a warm start, which
+    loads every inductor kernel from the cache, never does. Triton's cache key holds the ptxas
+    version, so a kernel compiled before that moment (or where it never comes) is keyed unlike the
+    same kernel compiled after it. The GPU tier's build-cache ran in a process that had compiled
+    before: it baked the loss's kernel under torch's ptxas, and a fresh start looked it up under
+    Triton's own and compiled it again. Pinned here, in build-cache and at every start, each kernel
+    has one key whatever compiled first. The function is inductor's, so the choice stays torch's."""
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+
+    _set_triton_ptxas_path()
