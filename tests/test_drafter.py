@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
 from app.bench.drafter import _attention_tiles, run_drafter_bench
-from app.bench.profile import IDLE_GAP_US, device_idle, profile_table
+from app.bench.profile import IDLE_GAP_US, _matmul_shape, device_idle, profile_table
 from app.compile.warmup import synthetic_batches
 from app.config import load_config, validate_config
 from app.data.synthetic import synthetic_row
@@ -425,6 +425,37 @@ def test_a_profile_ranks_operators_by_self_time_with_their_counts():
     assert shares[0] >= shares[1] > 0 and sum(shares) <= 100.05
 
 
+def test_a_profile_s_matmuls_are_grouped_by_shape_with_their_flops():
+    """mm, addmm (its first input is the added term) and bmm, grouped by operator and shape, the
+    costliest first; the header's FLOPs are the products' (2 M K N, times the batch)."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    x, w, bias = torch.randn(32, 16), torch.randn(16, 8), torch.randn(8)
+    p, q = torch.randn(4, 8, 16), torch.randn(4, 16, 2)
+
+    def call() -> None:
+        for _ in range(3):
+            torch.mm(a, b)
+        torch.addmm(bias, x, w)
+        torch.bmm(p, q)
+
+    table = profile_table(call, torch.device("cpu"), rows=5, what="matmuls", matmuls=True).splitlines()
+    start = next(i for i, line in enumerate(table) if line.startswith("matmuls by shape"))
+    header, rows = table[start], table[start + 1 :]
+    flop = 3 * 2 * 256**3 + 2 * 32 * 16 * 8 + 2 * 4 * 8 * 16 * 2
+    assert re.fullmatch(
+        rf"matmuls by shape \(top 3 of 3, [\d.]+ ms for {flop / 1e9:,.3f} GFLOP, .*\):", header
+    )
+    calls = [row.split()[2] for row in rows]
+    products = [" ".join(row.split()[5:]) for row in rows]
+    assert calls[0] == "x3" and products[0] == "aten::mm 256 x 256 @ 256 x 256"  # the costliest
+    assert calls[1:] == ["x1", "x1"] and sorted(products[1:]) == [
+        "aten::addmm 32 x 16 @ 16 x 8",
+        "aten::bmm 4 x 8 x 16 @ 16 x 2",
+    ]
+    assert _matmul_shape("aten::bmm", [[4, 8, 16], [4, 16, 2]])[1] == 2 * 4 * 8 * 16 * 2
+    assert _matmul_shape("aten::addmm", [[8], [32, 16], [16, 8], [], []])[1] == 2 * 32 * 16 * 8
+
+
 def test_the_gpu_s_idle_time_is_the_gaps_between_kernels_of_all_streams():
     """Overlapping kernels (two streams) are one busy stretch; a wait under IDLE_GAP_US is a launch's
     latency; the wait before the first kernel is counted apart; the largest gap names what came after."""
@@ -483,4 +514,7 @@ def test_bench_drafter_profiles_one_step_on_request():
     start = next(
         i for i, line in enumerate(lines) if line.startswith("profile of one step (time on the host")
     )
-    assert len(lines[start + 1 :]) == 4 and all(" ms " in line for line in lines[start + 1 :])
+    operators, matmuls = lines[start + 1 : start + 5], lines[start + 5 :]
+    assert all(" ms " in line for line in operators)
+    assert re.fullmatch(r"matmuls by shape \(top 4 of \d+, .*\):", matmuls[0])
+    assert len(matmuls) == 5 and all(" TFLOP/s  aten::" in line for line in matmuls[1:])

@@ -118,7 +118,7 @@ def run_drafter_bench(
     profile = None
     if profile_rows:
         with _no_recompiles(device):
-            profile = profile_table(lambda: step(batches[0]), device, profile_rows, "one step")
+            profile = profile_table(lambda: step(batches[0]), device, profile_rows, "one step", matmuls=True)
     row = batches[0].row.to("cpu")
     timed_rows = [batches[index % len(batches)].row for index in range(steps)]
     terms = _mean_forward_flops(arch, timed_rows)

@@ -32,7 +32,8 @@ def drafter(
         typer.Option(
             "--profile",
             min=0,
-            help="Also list one step's N most expensive GPU kernels (host operators on a CPU).",
+            help="Also list one step's N most expensive GPU kernels (host operators on a CPU) and "
+            "its N costliest matmul shapes with their TFLOP/s.",
         ),
     ] = 0,
 ) -> None:
