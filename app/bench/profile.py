@@ -4,10 +4,11 @@ the GPU waited: a step's time minus its kernels' is time the host did not keep t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.autograd import DeviceType
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
 from app.compile.warmup import synchronize
@@ -59,7 +60,7 @@ MATMUL_OPERATORS = ("aten::mm", "aten::addmm", "aten::bmm")
 """The operators every matmul reaches (linear, matmul and inductor's extern kernels call these)."""
 
 
-def matmul_table(events, cuda: bool, rows: int) -> list[str]:
+def matmul_table(events: Iterable[FunctionEvent], cuda: bool, rows: int) -> list[str]:
     """The profiled call's matmuls grouped by operator and shape, the `rows` costliest: calls, time
     (their kernels' on CUDA, self time on a CPU) and TFLOP/s, under a header with the totals."""
     groups: dict[tuple[str, str], list[float]] = {}

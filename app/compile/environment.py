@@ -76,7 +76,8 @@ def key_inductor_dir(compile_config: CompileConfig, key: str) -> Path:
 
 
 def use_compile_dirs(inductor_dir: Path, triton_dir: Path | None = None) -> CompileDirs:
-    """Create the directories, check they are writable and export them for torch and Triton.
+    """Create the directories, check they are writable and export them for torch and Triton (and pin
+    Triton's ptxas, `pin_triton_ptxas`).
 
     Triton defaults to `<inductor_dir>/triton` unless TRITON_CACHE_DIR names a persistent directory.
     Call before anything is compiled: both are read when a kernel is first compiled or loaded.
