@@ -22,7 +22,7 @@ from app.compile.build import build_cache
 from app.compile.guard import RecompileError, enter_steady_state, recompile_errors
 from app.compile.key import cache_key, machine_fields
 from app.compile.library_jit import LibraryJitCounter
-from app.compile.warmup import random_target_batch, synthetic_batches, warm_up_target
+from app.compile.warmup import random_target_batch, synthetic_batches, warm_up_logits, warm_up_target
 from app.config import validate_config
 from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
@@ -163,6 +163,21 @@ def test_build_cache_then_a_fresh_process_starts_warm(
         warm_up
     )  # the CE kernel, baked
     assert f"compile cache: loaded {result.entry.key}" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("head_dtype", "precision", "logits_dtype"),
+    [(torch.float32, "bf16", torch.bfloat16), (torch.bfloat16, "fp32", torch.bfloat16), (torch.float32, "fp32", torch.float32)],
+)  # fmt: skip
+def test_build_cache_warms_the_ce_kernel_up_on_the_loss_s_logits(head_dtype, precision, logits_dtype) -> None:
+    """Triton compiles the CE kernel per logits dtype: build-cache's warm-up makes its logits as the
+    loss does (the head under the step's autocast), so an fp32 target trained in bf16 bakes the bf16
+    kernel its run calls, not an fp32 one."""
+    raw = small_drafter_raw_config()
+    config = validate_config({**raw, "train": {**raw["train"], "device": "cuda", "precision": precision}})
+    lm_head = torch.nn.Linear(32, SMALL_VOCAB, bias=False, device="cuda", dtype=head_dtype)
+    logits = warm_up_logits(config, lm_head)
+    assert logits.dtype == logits_dtype and logits.shape == (1, SMALL_VOCAB)
 
 
 @pytest.mark.parametrize("vocab", [151_936, 248_320])

@@ -124,7 +124,7 @@ def _compile_and_save(
         phase(f"target forward at each of the run's {shapes.describe()} (library Triton JIT and autotuning)")
         target_warm_s = warm_target_shapes(config, target, device, phase)
     phase("the drafter's own Triton kernel (the loss's cross-entropy chunk)")
-    warm_up_own_triton_kernels(target.lm_head)
+    warm_up_own_triton_kernels(config, target.lm_head)
     shutil.copytree(dirs.triton, baked_triton)
 
     phase(

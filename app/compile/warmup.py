@@ -22,6 +22,7 @@ from app.data.batch import FeatureBatch
 from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
 from app.model.drafter import DFlashDrafter
+from app.model.objective import training_autocast
 from app.model.target import TargetModel, is_hybrid, target_dtype
 
 Log = Callable[[str], None]
@@ -147,17 +148,24 @@ def uses_library_triton_kernels(target: TargetModel) -> bool:
     return is_hybrid(target.text_config) and importlib.util.find_spec("fla") is not None
 
 
-def warm_up_own_triton_kernels(lm_head: torch.nn.Linear) -> None:
-    """Compile the drafter's own Triton kernel, the loss's cross-entropy chunk, for the logits of the
-    target's LM head (its vocab and dtype; the chunk's row count is only its launch grid):
-    build-cache bakes it beside the library kernels, so a warm start loads it rather than compiling it."""
+def warm_up_own_triton_kernels(config: RunConfig, lm_head: torch.nn.Linear) -> None:
+    """Compile the drafter's own Triton kernel, the loss's cross-entropy chunk, for the logits the
+    run's loss makes (`warm_up_logits`; the chunk's row count is only its launch grid): build-cache
+    bakes it beside the library kernels, so a warm start loads it rather than compiling it."""
     from app.model.ce_kernel import triton_ce_chunk  # Triton: see app.compile.apply.compile_drafter
 
+    device = lm_head.weight.device
+    first = torch.zeros(1, device=device, dtype=torch.long)
+    triton_ce_chunk(warm_up_logits(config, lm_head), first, torch.zeros(1, device=device))
+    synchronize(device)
+
+
+def warm_up_logits(config: RunConfig, lm_head: torch.nn.Linear) -> torch.Tensor:
+    """One row of logits as the loss makes them: through the LM head under the step's autocast, so in
+    its dtype (bf16 from an fp32 head under bf16 autocast). Triton compiles a kernel per logits dtype."""
     weight = lm_head.weight
-    logits = torch.zeros(1, weight.shape[0], device=weight.device, dtype=weight.dtype)
-    first = torch.zeros(1, device=weight.device, dtype=torch.long)
-    triton_ce_chunk(logits, first, torch.zeros(1, device=weight.device))
-    synchronize(weight.device)
+    with torch.no_grad(), training_autocast(config.train, weight.device):
+        return torch.zeros(1, weight.shape[1], device=weight.device, dtype=weight.dtype) @ weight.t()
 
 
 def warm_target_shapes(config: RunConfig, target: TargetModel, device: torch.device, log: Log) -> float:

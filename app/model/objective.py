@@ -83,6 +83,14 @@ class TreeSample:
         return cls(train.eval_tree_budget, train.eval_tree_top_k, blocks)
 
 
+def training_autocast(train: TrainConfig, device: torch.device) -> torch.autocast:
+    """The step's precision rule: bf16 autocast on CUDA when `train.precision` is bf16 (weights and
+    optimizer stay fp32), none elsewhere. The loss's logits come out in its dtype, so whatever
+    compiles the CE kernel ahead of a run (build-cache) makes them under the same rule."""
+    enabled = device.type == "cuda" and train.precision == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def drafter_loss(
     drafter: nn.Module,
     batch: FeatureBatch,

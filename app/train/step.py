@@ -20,7 +20,7 @@ from app.config import RunConfig
 from app.config.schema import TrainConfig
 from app.data.batch import FeatureBatch
 from app.model.drafter import DFlashDrafter
-from app.model.objective import LossOutput, TreeSample, drafter_loss
+from app.model.objective import LossOutput, TreeSample, drafter_loss, training_autocast
 
 
 class FrozenHeads(Protocol):
@@ -61,7 +61,6 @@ class DrafterStep:
         self.heads = heads
         self.device = torch.device(device)
         self.optimizer = build_optimizer(drafter, config.train, self.device)
-        self._bf16 = self.device.type == "cuda" and config.train.precision == "bf16"
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         """False (on the device) from the first step whose loss or gradient norm was not finite on:
         from then on no optimizer step changes the weights, so the run stops (at its next look) with
@@ -77,8 +76,7 @@ class DrafterStep:
     ) -> LossOutput:
         """The drafter's loss and metrics on `batch` (and its tree streak with `tree_sample`); a
         recompile here raises a one-line RecompileError."""
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._bf16)
-        with autocast, recompile_errors():
+        with training_autocast(self.train, self.device), recompile_errors():
             return drafter_loss(
                 self.model,
                 batch,
