@@ -9,7 +9,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from typer.testing import CliRunner
 
-from app.bench.drafter import _attention_tiles, run_drafter_bench
+from app.bench.drafter import (
+    NonFiniteBenchStep,
+    _attention_tiles,
+    _frozen_head_stand_ins,
+    require_finite_steps,
+    run_drafter_bench,
+)
 from app.bench.profile import IDLE_GAP_US, _matmul_shape, device_idle, profile_table
 from app.compile.warmup import synthetic_batches
 from app.config import load_config, validate_config
@@ -18,6 +24,7 @@ from app.errors import UserError
 from app.model.attention import dense_training_mask
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.flops import forward_flops, multiplier, step_flops
+from app.train.step import BorrowedHeads, DrafterStep
 from tests.helpers import (
     REFERENCE_LAYER_WEIGHTS,
     SMALL_BLOCK,
@@ -363,6 +370,27 @@ def test_bench_drafter_runs_on_cpu_with_the_tiny_config():
          "--steps", "1", "--warmup", "1"],
     )  # fmt: skip
     assert off.exit_code == 0 and "tree_streak" not in off.output, off.output
+
+
+def test_bench_drafter_refuses_to_time_a_step_whose_loss_or_gradients_are_not_finite():
+    """A NaN step's time measures nothing (on an H200 it even runs faster): the bench checks one
+    more step per row, its loss and every gradient, and names the rows that failed."""
+    config = load_config("configs/tiny.toml", ["train.anchors=16"])
+    arch, cpu = DrafterArch.from_config(config), torch.device("cpu")
+    drafter = DFlashDrafter(arch, seed=0, device=cpu)
+    step = DrafterStep(config, drafter, BorrowedHeads(*_frozen_head_stand_ins(arch, cpu, torch.float32)), cpu)
+    batches = synthetic_batches(config, drafter, cpu, 3)
+    require_finite_steps(step, batches)
+    assert all(parameter.grad is None for parameter in drafter.parameters())
+    # a gradient alone non-finite (the loss is finite): still refused
+    hook = drafter.layers[0].mlp.down_proj.weight.register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(NonFiniteBenchStep, match=r"synthetic row\(s\) \[0, 1, 2\] of 3 gave a non-finite"):
+        require_finite_steps(step, batches)
+    hook.remove()
+    with torch.no_grad():
+        drafter.norm.weight.fill_(float("inf"))
+    with pytest.raises(NonFiniteBenchStep, match=r"\[0, 1, 2\] of 3"):
+        require_finite_steps(step, batches)
 
 
 def embedded_ids(embed_tokens: nn.Embedding, call) -> list[torch.Tensor]:

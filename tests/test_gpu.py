@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import yaml
 
 from app.bench.target import format_report, run_target_bench
-from app.compile.apply import compile_drafter, compile_target
+from app.compile.apply import compile_drafter, compile_target, compiled_flex_attention
 from app.compile.artifacts import list_entries
 from app.compile.build import build_cache
 from app.compile.guard import RecompileError, enter_steady_state, recompile_errors
@@ -26,7 +26,7 @@ from app.compile.warmup import random_target_batch, synthetic_batches, warm_up_l
 from app.config import validate_config
 from app.data.shapes import TargetShapes
 from app.data.synthetic import synthetic_row
-from app.model.attention import UncompiledKernelOnCudaError
+from app.model.attention import UncompiledKernelOnCudaError, training_attention
 from app.model.causal_conv import CAUSAL_CONV1D, TRITON, triton_causal_conv1d_fn
 from app.model.ce_kernel import triton_ce_chunk
 from app.model.drafter import DFlashDrafter, DrafterArch
@@ -105,6 +105,37 @@ def test_training_compiles_once_then_a_new_shape_is_refused(
     (batch,) = synthetic_batches(other, trainer.drafter, trainer.device, 1)
     with pytest.raises(RecompileError, match="recompile after warm-up"):
         trainer.drafter_step.backward(batch)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_the_compiled_flex_of_training_equals_the_dense_rule_on_rows_with_unused_slots(window) -> None:
+    """Training's compiled flex on a row with padding, unused anchor slots (their queries see
+    nothing), several documents and query rows that fill no whole tile: output and gradients finite,
+    equal to the CPU's dense SDPA, the unused slots' rows zero. flex's ROWS_GUARANTEED_SAFE would
+    break this (such rows come out NaN); with it the bench's step looked 3% faster, which was the
+    GPU's power cap running NaN-filled matmuls faster (BENCHMARKS.md)."""
+    generator = torch.Generator().manual_seed(2)
+    row, block = (
+        synthetic_row(256, 40, 97, num_documents=4, padding=30, valid_anchors=29, generator=generator),
+        4,
+    )
+    shapes = ((1, 4, 40 * block, 64), (1, 2, 256 + 40 * block, 64), (1, 2, 256 + 40 * block, 64))
+    inputs = [torch.randn(shape, generator=generator) for shape in shapes]
+    weight = torch.randn(shapes[0], generator=generator)
+    results = []
+    for device, options in (
+        ("cuda", {"flex_kernel": compiled_flex_attention()}),
+        ("cpu", {"backend": "dense"}),
+    ):
+        attend = training_attention(row.to(device), block, {window}, **options)[window]
+        leaves = [tensor.to(device).requires_grad_() for tensor in inputs]
+        output = attend(*leaves)
+        (output * weight.to(device)).sum().backward()
+        results.append([tensor.cpu() for tensor in (output.detach(), *(leaf.grad for leaf in leaves))])
+    for got, expected in zip(*results, strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=2e-3, atol=2e-3)
+    assert not results[0][0][:, :, 29 * block :].any()
 
 
 def test_an_uncompiled_drafter_refuses_to_train_on_cuda():

@@ -7,7 +7,8 @@ positions). Reports the median step time, query/context tokens per second, usefu
 term (averaged over the timed steps' rows), the fraction of a given peak, peak memory, the first
 call's (compile) time, on CUDA whether the step synchronises with the host or recompiles after
 warm-up (both would mean a degraded run), and what a log step's tree-streak proxy
-(`telemetry.tree_streak_blocks`) adds to the step.
+(`telemetry.tree_streak_blocks`) adds to the step. A step whose loss or gradients are not finite is
+refused, not timed (`require_finite_steps`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from app.compile.apply import compile_drafter
 from app.compile.warmup import synchronize, synthetic_batches
 from app.config import RunConfig
 from app.data.batch import DrafterRow, FeatureBatch
+from app.errors import UserError
 from app.model.attention import FLEX_TILE, training_block_mask
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.flops import forward_flops, multiplier, step_flops, visible_pairs
@@ -107,6 +109,8 @@ def run_drafter_bench(
 
     first_call_s, step_ms, host_syncs = _time_steps(step, batches, warmup, steps, device)
     peak_memory = torch.cuda.max_memory_allocated(device) if cuda else _peak_rss_bytes()
+    with _no_recompiles(device):
+        require_finite_steps(drafter_step, batches)
     tree_sample = TreeSample.from_config(config.train, config.telemetry.tree_streak_blocks)
     tree_step_ms = None
     if tree_sample is not None:
@@ -140,6 +144,32 @@ def run_drafter_bench(
         log_every=config.telemetry.log_every,
         profile=profile,
     )
+
+
+class NonFiniteBenchStep(UserError):
+    """A benchmarked step's loss or gradients were not finite: its time measures nothing (one line,
+    exit 2, like a recompile in the timed steps). On an H200 NaN data even runs faster (the matmuls
+    draw less power under its cap): a flex kernel option that left some attention rows NaN once
+    looked like a 3% faster step (BENCHMARKS.md, 2026-12-02, seventh session)."""
+
+
+def require_finite_steps(drafter_step: DrafterStep, batches: list[FeatureBatch]) -> None:
+    """One more step per benchmarked row, untimed: its loss and every gradient finite, or
+    `NonFiniteBenchStep` naming the rows. The flags stay on the device until one read at the end."""
+    finite = []
+    for batch in batches:
+        loss = drafter_step.backward(batch).loss
+        gradients = [
+            parameter.grad for parameter in drafter_step.drafter.parameters() if parameter.grad is not None
+        ]
+        finite.append(torch.isfinite(loss) & torch.isfinite(torch.nn.utils.get_total_norm(gradients)))
+        drafter_step.drafter.zero_grad(set_to_none=True)
+    bad = [index for index, flag in enumerate(torch.stack(finite).tolist()) if not flag]
+    if bad:
+        raise NonFiniteBenchStep(
+            f"bench drafter: the step on synthetic row(s) {bad} of {len(batches)} gave a non-finite loss "
+            "or gradient, so its time measures nothing (look at what changed in the drafter's kernels)"
+        )
 
 
 def _mean_forward_flops(arch: DrafterArch, rows: list[DrafterRow]) -> dict[str, float]:
