@@ -115,10 +115,8 @@ def test_the_compiled_flex_of_training_equals_the_dense_rule_on_rows_with_unused
     break this (such rows come out NaN); with it the bench's step looked 3% faster, which was the
     GPU's power cap running NaN-filled matmuls faster (BENCHMARKS.md)."""
     generator = torch.Generator().manual_seed(2)
-    row, block = (
-        synthetic_row(256, 40, 97, num_documents=4, padding=30, valid_anchors=29, generator=generator),
-        4,
-    )
+    row = synthetic_row(256, 40, 97, num_documents=4, padding=30, valid_anchors=29, generator=generator)
+    block = 4
     shapes = ((1, 4, 40 * block, 64), (1, 2, 256 + 40 * block, 64), (1, 2, 256 + 40 * block, 64))
     inputs = [torch.randn(shape, generator=generator) for shape in shapes]
     weight = torch.randn(shapes[0], generator=generator)
