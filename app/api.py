@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from app.config import RunConfig, load_config
+from app.config import RunConfig, load_config, require_builtin_packages
 from app.errors import UserError
 from app.evaluate.trained import TrainedEvaluation
 from app.evaluate.trained import evaluate_trained as evaluate
@@ -56,4 +56,5 @@ def train(config: RunConfig, *, resume: bool = False, log: Callable[[str], None]
         )
     # under a torchrun of several processes, every one would train alone into the same run directory
     layout_from_environment(config.topology)
+    require_builtin_packages(config.target.builtin)  # before the run directory or any model
     return run_drafter_rank(config, None, resume, log)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.config import RunConfig, load_config, validate_config
-from app.config.schema import BUILTIN_TARGETS
+from app.config.builtins import BUILTIN_TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 

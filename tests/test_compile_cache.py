@@ -52,7 +52,8 @@ from app.compile.guard import (
 from app.compile.key import COMPILED_SOURCES, MACHINE_GROUPS, cache_key, diff_fields, key_fields
 from app.compile.prepare import _warn_if_built_elsewhere, prepare_compiled_training, prepare_target_rank
 from app.config import load_config, validate_config
-from app.config.schema import BUILTIN_TARGETS, CompileConfig
+from app.config.builtins import BUILTIN_TARGETS
+from app.config.schema import CompileConfig
 from app.errors import UserError
 from app.model.ce_kernel import _weighted_ce_rows
 from app.model.drafter import DFlashDrafter, DrafterArch

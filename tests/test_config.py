@@ -282,8 +282,8 @@ def test_misleading_inputs_get_one_line_naming_the_file_or_field(
         (
             [str(no_target)],
             f"{no_target}: target: is required: set target.path (a local Hugging Face model directory), "
-            'target.builtin ("tiny-lm", the CPU demo\'s) or target.architecture (a Hugging Face config, for a '
-            "random-weight target)",
+            'target.builtin ("tiny-lm", the CPU demo\'s, or "smollm2-135m-instruct", a real 135M chat model) '
+            "or target.architecture (a Hugging Face config, for a random-weight target)",
         ),
         (
             [str(no_model)],

@@ -35,10 +35,13 @@ def train(
     SIGTERM or Ctrl-C checkpoints after the current step and exits 143; `--resume` continues exactly.
     Multi-GPU topologies (topology.*) run under torchrun, one process per GPU (entrypoint.sh train).
     """
-    from app.config import load_config
-    from app.pipeline.distributed import wants_distributed
+    from app.config import load_config, require_builtin_packages
 
     run_config = load_config(config, overrides or [])
+    # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group is one line.
+    require_builtin_packages(run_config.target.builtin)
+    from app.pipeline.distributed import wants_distributed
+
     if wants_distributed(run_config):
         _train_rank(run_config, resume)
         return

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import json
 import tomllib
 import types
@@ -21,7 +22,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from app.config.schema import BUILTIN_TARGETS, TARGET_SOURCES, RunConfig, TargetConfig
+from app.config.builtins import BUILTIN_TARGET_PACKAGES, BUILTIN_TARGETS
+from app.config.schema import TARGET_SOURCES, RunConfig, TargetConfig
 from app.errors import UserError
 
 
@@ -83,6 +85,21 @@ def target_architecture(target: TargetConfig) -> dict[str, Any] | None:
         return json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ConfigError(f"{config_file}: not a readable JSON model config ({error})") from None
+
+
+def require_builtin_packages(builtin: str | None) -> None:
+    """Refuse the built-in target `builtin` (a `target.builtin`; None: none) where its dependency group
+    is not installed, in milliseconds (a module lookup, no import): `dflash train` and `dflash eval`
+    call it before anything loads or is written. Not part of `validate_config`, so that a config stays
+    showable and a run exportable on any machine."""
+    needs = BUILTIN_TARGET_PACKAGES.get(builtin or "")
+    if needs is None:
+        return
+    module, group = needs
+    if importlib.util.find_spec(module) is None:
+        raise UserError(
+            f'target.builtin = "{builtin}" needs the {group} dependency group: ./uvw sync --group {group}'
+        )
 
 
 def text_architecture(architecture: dict[str, Any]) -> dict[str, Any]:

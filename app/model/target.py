@@ -19,7 +19,8 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from app.config import default_target_layer_ids
-from app.config.schema import BUILTIN_TARGETS, DrafterConfig, RunConfig, TargetConfig
+from app.config.builtins import BUILTIN_TARGETS
+from app.config.schema import DrafterConfig, RunConfig, TargetConfig
 from app.errors import UserError
 from app.model.causal_conv import use_fast_causal_conv
 from app.model.gated_deltanet import use_copy_free_gated_deltanet
@@ -85,9 +86,9 @@ def load_target(config: RunConfig, device: torch.device | str) -> TargetModel:
     if target.path is not None:
         model = _load_pretrained(_checked_model_dir(Path(target.path), need_weights=True), device, dtype)
     elif target.builtin is not None:
-        from app.model.tiny_lm import ensure_tiny_lm  # trains the built-in target on first use
+        from app.model.builtin import builtin_target_dir  # built or converted on first use
 
-        model = _load_pretrained(ensure_tiny_lm(), device, dtype)
+        model = _load_pretrained(builtin_target_dir(target.builtin), device, dtype)
     else:
         model = _random_model(target, device, dtype)
     layer_ids = resolve_layer_ids(config.drafter, model.config.get_text_config().num_hidden_layers)

@@ -19,7 +19,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from app.atomic import replace_directory, staging_directory
-from app.config.schema import BUILTIN_TARGETS
+from app.config.builtins import BUILTIN_TARGETS
 from app.model.tiny_tokenizer import build_tokenizer, corpus_paragraphs
 from app.paths import cache_root as dflash_cache_root
 

@@ -43,9 +43,9 @@ def tokenizer_dir(config: RunConfig) -> Path:
     if target.path is not None:
         return Path(target.path)
     if target.builtin is not None:
-        from app.model.tiny_lm import ensure_tiny_lm
+        from app.model.builtin import builtin_target_dir
 
-        return ensure_tiny_lm()
+        return builtin_target_dir(target.builtin)
     raise UserError(
         "target.tokenizer: required with target.architecture (a random-weight target has no tokenizer)"
     )
