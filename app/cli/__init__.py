@@ -20,6 +20,7 @@ from app.cli import (
     doctor_cmd,
     eval_cmd,
     export_cmd,
+    prompts_cmd,
     pull_cmd,
     status_cmd,
     train_cmd,
@@ -55,6 +56,7 @@ def _root(
 
 cli.add_typer(config_cmd.group, name="config")
 cli.add_typer(bench_cmd.group, name="bench")
+cli.add_typer(prompts_cmd.group, name="prompts")
 cli.command("datagen")(datagen_cmd.datagen)
 cli.command("doctor")(doctor_cmd.doctor)
 cli.command("build-cache")(build_cache_cmd.build_cache)

@@ -14,13 +14,14 @@ model is loaded.
 from __future__ import annotations
 
 import bisect
-import codecs
+import functools
 import gzip
 import hashlib
 import json
 import logging
 import os
 import shutil
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 import datasets
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
@@ -40,16 +42,19 @@ from app.data.formats import (
     RecordFormat,
     detect_format,
     normalize_record,
+    record_domain,
     require_format_column,
 )
+from app.data.textfiles import open_binary, require_utf8
 from app.data.tokenize import ChatTokenizer, TokenizedSample
 from app.errors import UserError
 from app.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-PIPELINE_VERSION = 1
-"""Part of the cache key: bump it when tokenization semantics change so old caches stop matching."""
+PIPELINE_VERSION = 2
+"""Part of the cache key: bump it when tokenization semantics or the cached columns change so old
+caches stop matching (2: the per-sample `domain` column)."""
 
 MAX_EXAMPLES = 5
 """Malformed-record reasons kept in the summary (the counts are always complete)."""
@@ -77,11 +82,10 @@ TOKENIZED_FEATURES = datasets.Features(
         "truncated": datasets.Value("bool"),
         "status": datasets.Value("string"),
         "reason": datasets.Value("string"),
+        "domain": datasets.Value("string"),
     }
 )
 BOOKKEEPING_COLUMNS = ["truncated", "status", "reason"]
-UTF8_CHUNK = 1 << 24
-"""Bytes read at a time when checking that a text data file is UTF-8."""
 
 
 @dataclass
@@ -110,6 +114,8 @@ class DataSummary:
     supervised_tokens: int = 0
     cache_hit: bool = False
     cache_path: str = ""
+    domains: dict[str, int] = field(default_factory=dict)
+    """Kept samples per `domain` label; samples of records without one are not listed."""
 
     def describe(self) -> str:
         origin = "cache hit" if self.cache_hit else "tokenized"
@@ -118,8 +124,19 @@ class DataSummary:
             f"{self.too_short} with < {self.min_supervised_tokens} supervised tokens, {self.kept} kept "
             f"({self.truncated} truncated); {self.tokens} tokens, {self.supervised_tokens} supervised"
         ]
+        if self.domains:
+            lines.append(f"  domains: {self.domain_mix()}")
         lines += [f"  malformed: {example}" for example in self.malformed_examples]
         return "\n".join(lines)
+
+    def domain_mix(self) -> str:
+        """`code 41%, prose 35%, math 24%`: each domain's share of the kept samples, largest first;
+        samples without a domain are `(none)`."""
+        shares = sorted(self.domains.items(), key=lambda item: (-item[1], item[0]))
+        unlabelled = self.kept - sum(self.domains.values())
+        if unlabelled > 0:
+            shares.append(("(none)", unlabelled))
+        return ", ".join(f"{name} {count / max(self.kept, 1):.0%}" for name, count in shares)
 
 
 @dataclass
@@ -135,7 +152,7 @@ class RecordLocator:
 
 
 class TokenizedDataset:
-    """Tokenized conversations: `input_ids`, `loss_mask`, `length`, `supervised` per sample."""
+    """Tokenized conversations: `input_ids`, `loss_mask`, `length`, `supervised`, `domain` per sample."""
 
     def __init__(self, rows: datasets.Dataset, summary: DataSummary) -> None:
         self.rows = rows
@@ -145,6 +162,14 @@ class TokenizedDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @functools.cached_property
+    def domains(self) -> list[str]:
+        """Each sample's `domain` label, in sample order ("" for a record without one); read from the
+        rows, so a `select` is aligned by construction."""
+        if "domain" not in self.rows.column_names:
+            return [""] * len(self.rows)
+        return self.rows.with_format("arrow", columns=["domain"])[:]["domain"].to_pylist()
 
     def fetch(self, indices: Sequence[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(input_ids, loss_mask) of each sample, in the order asked."""
@@ -369,7 +394,7 @@ def _read_source(
         if source.kind == "disk":
             raw = _single_split(datasets.load_from_disk(str(source.files[0])), source.label)
         elif source.kind == "json":
-            _require_utf8(source.files[0])
+            require_utf8(source.files[0])
             # the json reader logs its parse error, which the fallback handles: its line would mislead
             reader_log = logging.getLogger("datasets.packaged_modules.json.json")
             level = reader_log.level
@@ -405,42 +430,32 @@ def _read_source(
     return raw, fmt, locator
 
 
-def _require_utf8(path: Path) -> None:
-    """Refuse a text data file holding bytes that are not UTF-8, naming the first such line: the json
-    reader passes them through to fail deep inside tokenization, the line fallback would garble them."""
-    if _is_utf8(path):
-        return
-    with _open_binary(path) as handle:  # line by line is slower: only for a file known to be bad
-        for number, line in enumerate(handle, start=1):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise UserError(
-                    f"{path}: line {number} is not UTF-8: byte {error.start + 1} of the line is "
-                    f"{line[error.start : error.end]!r} ({error.reason}); save the file as UTF-8"
-                ) from None
-
-
-def _is_utf8(path: Path) -> bool:
-    decoder = codecs.getincrementaldecoder("utf-8")()  # holds a character split between chunks
-    with _open_binary(path) as handle:
-        try:
-            while chunk := handle.read(UTF8_CHUNK):
-                decoder.decode(chunk)
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            return False
-    return True
-
-
-def _open_binary(path: Path) -> Any:
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
-
-
 def _load(source: Source, raw_cache: Path) -> datasets.Dataset:
     return datasets.load_dataset(
-        source.kind, data_files=[str(path) for path in source.files], split="train", cache_dir=str(raw_cache)
+        source.kind,
+        data_files=[str(path) for path in source.files],
+        split="train",
+        cache_dir=str(raw_cache),
+        features=_shard_features(source),
     )
+
+
+def _shard_features(source: Source) -> datasets.Features | None:
+    """The union of the columns of parquet shards whose columns differ, else None (the reader's own).
+
+    A datagen directory resumed across a version that added a column (`domain`) holds shards with
+    and without it; the reader casts every shard to the first one's columns and fails on the others.
+    With the union, a shard's missing column reads as null.
+    """
+    if source.kind != "parquet" or len(source.files) < 2:
+        return None
+    schemas = [pq.read_schema(path) for path in source.files]
+    if all(schema.equals(schemas[0]) for schema in schemas[1:]):
+        return None
+    try:
+        return datasets.Features.from_arrow_schema(pa.unify_schemas(schemas))
+    except (pa.ArrowException, TypeError, ValueError):
+        return None  # columns of conflicting types: the reader's own error names the file
 
 
 def _single_split(loaded: datasets.Dataset | datasets.DatasetDict, label: str) -> datasets.Dataset:
@@ -459,7 +474,7 @@ def _json_lines(path: Path) -> datasets.Dataset:
     Only for files `datasets` cannot parse, so holding the lines in memory is the rare case.
     """
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:  # `_require_utf8` has checked it
+    with opener(path, "rt", encoding="utf-8") as handle:  # `require_utf8` has checked it
         lines = [line for line in handle if line.strip()]
     return datasets.Dataset.from_dict({JSON_LINE_COLUMN: lines})
 
@@ -468,8 +483,8 @@ def _unreadable_json(path: Path, lines: datasets.Dataset) -> UserError | None:
     """Why a json file the reader refused is not JSON lines to read one by one either, if it is not:
     a JSON array (its lines are no records), or a file with no line holding a JSON object, whose text
     stops being JSON at a line and column; or JSON values that are no objects."""
-    with _open_binary(path) as handle:
-        text = handle.read().decode("utf-8")  # `_require_utf8` has checked it
+    with open_binary(path) as handle:
+        text = handle.read().decode("utf-8")  # `require_utf8` has checked it
     try:
         json.loads(text)
         broken = None
@@ -513,16 +528,23 @@ def _tokenize_rows(
     records = [{column: values[row] for column, values in batch.items()} for row in range(len(indices))]
     outcomes: list[TokenizedSample | MalformedRecord | None] = []
     conversations: dict[int, Conversation] = {}
+    domains: list[str] = []
     for record in records:
+        domain = ""
         try:
-            conversations[len(outcomes)] = normalize_record(_parse(record), fmt)
+            parsed = _parse(record)
+            conversation = normalize_record(parsed, fmt)
+            domain = record_domain(parsed)
+            conversations[len(outcomes)] = conversation
             outcomes.append(None)
         except MalformedRecord as error:
             outcomes.append(error)
+        domains.append(domain)
     for position, result in zip(conversations, chat.tokenize_many(list(conversations.values())), strict=True):
         outcomes[position] = result
 
     out: dict[str, list[Any]] = {name: [] for name in TOKENIZED_FEATURES}
+    out["domain"] = domains
     for index, outcome in zip(indices, outcomes, strict=True):
         sample = outcome if isinstance(outcome, TokenizedSample) else TokenizedSample([], [])
         supervised = sample.supervised
@@ -553,7 +575,9 @@ def _parse(record: dict[str, Any]) -> Any:
 
 def _account(tokenized: datasets.Dataset, summary: DataSummary) -> datasets.Dataset:
     """Add a source's counts to the summary and return its kept rows."""
-    columns = tokenized.with_format("numpy", columns=["status", "length", "supervised", "truncated"])[:]
+    columns = tokenized.with_format(
+        "numpy", columns=["status", "length", "supervised", "truncated", "domain"]
+    )[:]
     status = columns["status"].astype(str)
     kept = np.flatnonzero(status == "ok")
     malformed = np.flatnonzero(status == "malformed")
@@ -564,6 +588,9 @@ def _account(tokenized: datasets.Dataset, summary: DataSummary) -> datasets.Data
     summary.truncated += int(columns["truncated"][kept].sum())
     summary.tokens += int(columns["length"][kept].sum())
     summary.supervised_tokens += int(columns["supervised"][kept].sum())
+    for domain, count in Counter(columns["domain"][kept].tolist()).items():
+        if domain:
+            summary.domains[domain] = summary.domains.get(domain, 0) + count
     room = MAX_EXAMPLES - len(summary.malformed_examples)
     if room > 0 and len(malformed):
         summary.malformed_examples += list(tokenized.select(malformed[:room].tolist())["reason"])

@@ -98,6 +98,20 @@ def normalize_record(record: Mapping[str, Any], fmt: RecordFormat) -> Conversati
     return Conversation(messages=messages, tools=_tools(record.get("tools")))
 
 
+def record_domain(record: Any) -> str:
+    """A record's optional top-level `domain` label (code, prose, math, ...); "" when it has none.
+
+    Any other type is a `MalformedRecord`: a label that silently became "" would put the record in
+    the wrong group when training data or acceptance is broken down by domain.
+    """
+    domain = record.get("domain") if isinstance(record, Mapping) else None
+    if domain is None:
+        return ""
+    if not isinstance(domain, str):
+        raise MalformedRecord(f"`domain` must be a string, got {type(domain).__name__} {domain!r}")
+    return domain
+
+
 def _sharegpt_messages(record: Mapping[str, Any]) -> Any:
     """ShareGPT turns as OpenAI-style dicts (validated later, like any messages record)."""
     turns = record.get("conversations")

@@ -5,6 +5,8 @@ jsonl line, json array item or parquet row. Normalising keeps the system and use
 every assistant turn into a slot the target fills; a conversation that ends on a user turn gets
 one more slot. Records that cannot be regenerated faithfully (no user turn, tool turns whose
 results would not match new calls, non-text content) are reported as malformed, never guessed at.
+An optional top-level `domain` string (code, prose, math, ...) labels the record; datagen writes it
+into the shards, where the training loader reads it per sample.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.data.formats import SHAREGPT_SPEAKERS, MalformedRecord
+from app.data.formats import SHAREGPT_SPEAKERS, MalformedRecord, record_domain
 from app.errors import UserError
 
 # Speakers whose turns are tool calls or results: a regenerated answer would not match them.
@@ -43,6 +45,9 @@ class PromptRecord:
     id: str
     source: str
     turns: tuple[Turn, ...]
+    domain: str | None = None
+    """The record's top-level `domain` (code, prose, math, ...): carried into the shards so that
+    training data and acceptance can be broken down by it."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,9 @@ def normalise_record(raw: Any, source: str) -> PromptRecord:
     else:
         raise MalformedRecord("expected a `messages` or `conversations` list")
     turns = _with_assistant_slots(turns)
-    return PromptRecord(id=_record_id(raw, turns), source=source, turns=tuple(turns))
+    return PromptRecord(
+        id=_record_id(raw, turns), source=source, turns=tuple(turns), domain=record_domain(raw) or None
+    )
 
 
 def prompt_hash(turns: list[Turn] | tuple[Turn, ...]) -> str:

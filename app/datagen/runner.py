@@ -129,7 +129,7 @@ def run_datagen(config: DatagenConfig, console: Console | None = None) -> Datage
     """Regenerate `config.prompts` into `config.output_dir`; see the module docstring."""
     console = console or Console(stderr=True)
     prompts = load_prompts(config.prompts)
-    _show_skipped(console, prompts)
+    show_skipped(console, prompts)
     if not prompts.records:
         raise UserError(
             f"datagen.prompts: no usable prompt records in {', '.join(config.prompts)} "
@@ -143,7 +143,7 @@ def run_datagen(config: DatagenConfig, console: Console | None = None) -> Datage
         store.close()
 
 
-def _show_skipped(console: Console, prompts: PromptSet) -> None:
+def show_skipped(console: Console, prompts: PromptSet) -> None:
     skipped: list[Skipped] = prompts.malformed + prompts.duplicates
     if not skipped:
         return
@@ -333,6 +333,7 @@ class _Run:
             "max_tokens": self.config.max_tokens,
             "seed": self.config.seed,
             "source": record.source,
+            "domain": record.domain,
         }
         return row, tokens, truncated
 

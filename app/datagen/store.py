@@ -44,9 +44,11 @@ SHARD_SCHEMA = pa.schema(
         ("max_tokens", pa.int64()),
         ("seed", pa.int64()),
         ("source", pa.string()),
+        # the prompt record's `domain` (null when it had none); shards written before it lack the column
+        ("domain", pa.string()),
     ]
 )
-"""Columns of every shard; `messages` is what the training loader reads."""
+"""Columns of every shard; `messages` is what the training loader reads, `domain` its per-sample label."""
 
 
 class OutputDirBusy(UserError):
