@@ -265,6 +265,30 @@ def test_inference_path_matches_the_training_forward(sliding_setup):
         assert draft.shape == (BLOCK - 1,) and torch.equal(draft, logits.argmax(-1))
 
 
+def test_one_cache_of_a_whole_document_serves_all_its_blocks_at_once(sliding_setup):
+    """Eval's replay (`blocks_logits`): the cache holds the whole document, later tokens included, and
+    every block of it is drafted in one call; each must see only the context before its anchor (and
+    its window), as the training forward does."""
+    drafter, embed_tokens, lm_head, row, features = sliding_setup
+    with torch.no_grad():
+        training_logits = lm_head(drafter(features, row, embed_tokens))
+    valid = torch.nonzero(row.anchor_valid).flatten()
+    documents = row.document_ids[row.anchor_positions[valid]]
+    checked = 0
+    for document in documents.unique().tolist():
+        blocks = valid[documents == document]
+        tokens = torch.nonzero(row.document_ids == document).flatten()
+        cache = drafter.new_cache()
+        drafter.extend_context(features[tokens], row.position_ids[tokens], cache)
+        anchors = row.anchor_positions[blocks]
+        logits = drafter.blocks_logits(
+            cache, row.input_ids[anchors], row.position_ids[anchors], embed_tokens, lm_head
+        )
+        torch.testing.assert_close(logits, training_logits[blocks, 1:], rtol=1e-4, atol=1e-4)
+        checked += len(blocks)
+    assert checked == len(valid) and len(documents.unique()) > 1
+
+
 def test_the_flop_count_counts_what_the_mask_lets_through_and_the_loss_supervises(sliding_setup):
     """The useful FLOPs behind `bench drafter` and the log line's MFU, against brute force on a row with
     padding, dead anchor slots and a sliding-window layer: attention pairs are the dense training mask's

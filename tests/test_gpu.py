@@ -547,3 +547,30 @@ def test_the_compiled_target_matches_eager_and_a_new_shape_compiles_nothing(
             compiled = target.features(batch)
             error = (compiled.float() - reference.float()).norm() / reference.float().norm()
             assert error < 1e-2, (tuple(batch.shape), float(error))
+
+
+def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_target() -> None:
+    """Local regeneration's decode step (`compile_decode_step`): one graph for every call of the
+    decoder's shape, each prompt of a padded batch answered as the target answers it alone (fp32, so
+    that an argmax does not turn on bf16 rounding), no NaN from the pad rows' masked keys."""
+    from app.compile.apply import compile_decode_step
+    from app.model.decode import BatchDecoder, DecodeShape
+    from tests.test_speculative import random_target_config as small_random_target
+
+    raw = small_random_target()
+    raw["target"]["dtype"] = "fp32"
+    raw["train"]["device"] = "cuda"
+    target = load_target(validate_config(raw), "cuda")
+    prompts = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202]]
+    decoder = BatchDecoder(target.model, DecodeShape(rows=8, max_prompt_tokens=20, max_new_tokens=24), [])
+    compile_decode_step(decoder)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    answers = decoder.decode(prompts)
+    assert decoder.decode(prompts[::-1]) == answers[::-1]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    for prompt, answer in zip(prompts, answers, strict=True):
+        reference = target.model.generate(
+            torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0
+        )
+        assert answer == reference[0, len(prompt) :].tolist()
+    assert all(torch.isfinite(layer.keys).all() for layer in decoder.cache.layers)

@@ -22,6 +22,7 @@ from app.errors import UserError
 from app.evaluate import EvalResult, evaluate_tau, prompts_from_file, speculative_generate
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.speculative import _open_session
+from app.evaluate.tree import verified_tree_decode
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import drafter_loss
 from app.model.target import TargetModel, load_target
@@ -218,7 +219,10 @@ def test_eval_result_pools_rounds_and_histograms(random_qwen3, known_continuatio
     assert sum(untrained.histogram) == untrained.rounds
     assert untrained.tau == pytest.approx(22 / untrained.rounds)
     lines = "\n".join(untrained.describe())
-    assert "tau (mean acceptance length, max 4)" in lines and "acceptance histogram" in lines
+    assert (
+        "tau (mean acceptance length, max 4; the serving engines' `accept length`)" in lines
+        and "acceptance histogram" in lines
+    )
 
 
 def test_bad_inputs_are_one_line_user_errors(random_qwen3) -> None:
@@ -328,7 +332,7 @@ def train_on_own_outputs(config, target: TargetModel, prompts: list[list[int]], 
 
 
 @pytest.mark.slow
-def test_a_trained_drafter_accepts_clearly_more_and_stays_lossless(tiny) -> None:
+def test_a_trained_drafter_accepts_clearly_more_and_stays_lossless(tiny, tiny_lm_dir) -> None:
     """Measured (8 held-out prompts x 32 tokens, block 8, 2-layer drafter, 96 training prompts, rows of
     512 tokens with 64 anchors): untrained tau 1.00, trained 200 steps 1.65, 300 steps 2.75 (about 75 s
     on the dev machine). With 1024-token rows and 128 anchors: 200 steps 2.42 here, and 300 steps 2.08
@@ -346,6 +350,18 @@ def test_a_trained_drafter_accepts_clearly_more_and_stays_lossless(tiny) -> None
     assert max(length for r in after.per_prompt for length in r.acceptance_lengths) > 3
     for prompt, result in zip(held_out, after.per_prompt, strict=True):
         assert result.tokens == greedy_reference(target, prompt, 32, EOS)
+
+    # eval's replay: the same rounds as the loop, chain and tree, from the batched greedy decode
+    evaluator = Evaluator(config, target, AutoTokenizer.from_pretrained(tiny_lm_dir), held_out, 32, [16], 4)
+    replayed = evaluator(trained)
+    assert [r.tokens for r in replayed.per_prompt] == [r.tokens for r in after.per_prompt]
+    assert [r.acceptance_lengths for r in replayed.per_prompt] == [
+        r.acceptance_lengths for r in after.per_prompt
+    ]
+    for prompt, tree_lengths in zip(held_out, replayed.trees[0].acceptance_lengths, strict=True):
+        _, verified = verified_tree_decode(target, trained, prompt, 32, frozenset([EOS]), budget=16, top_k=4)
+        assert tree_lengths == verified
+    assert replayed.trees[0].tau > replayed.tau
 
 
 # ---- prompts and the CLI ------------------------------------------------------------------------
@@ -370,8 +386,8 @@ def test_prompts_are_the_turns_before_the_first_reply_with_the_generation_prompt
     tmp_path, tiny_tokenizer
 ) -> None:
     prompts = prompts_from_file(write_conversations(tmp_path / "eval.jsonl"), tiny_tokenizer, limit=5)
-    assert len(prompts) == 2  # the malformed record is skipped
-    first = tiny_tokenizer.decode(prompts[0])
+    assert len(prompts.ids) == 2 and prompts.domains == ["", ""]  # the malformed record is skipped
+    first = tiny_tokenizer.decode(prompts.ids[0])
     assert first == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nContinue: The linear layer<|im_end|>\n"
         "<|im_start|>assistant\n"
@@ -416,8 +432,8 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
     done = run("--tree-budget", "4,16", "--tree-top-k", "3", "--per-prompt", "--check-lossless")
     assert done.returncode == 0, done.stderr
     assert "eval: step 3" in done.stdout and "2 prompts" in done.stdout
-    assert "tau (mean acceptance length, max 4):" in done.stdout
-    assert "target state between rounds: kv-cache" in done.stdout
+    assert "tau (mean acceptance length, max 4; the serving engines' `accept length`):" in done.stdout
+    assert "target state between rounds: replay (the rounds replayed" in done.stdout
     assert "acceptance histogram" in done.stdout and "    1: " in done.stdout
     for budget in (4, 16):
         assert re.search(rf"tree tau \(DDTree, budget {budget}, top-3 per depth\): \d\.\d{{3}} ", done.stdout)
@@ -427,7 +443,8 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
     )
 
     assert (
-        "lossless: the chain's output equals the target's greedy decode on 2/2 prompts; the real "
+        "lossless: the speculative loop's output equals the target's greedy decode, and its rounds the "
+        "replayed ones, on 2/2 prompts; the real "
         "tree-verification forward (budget 4) equals it and tree tau's acceptance on 2/2"
     ) in done.stdout
 

@@ -10,14 +10,9 @@ from transformers import DynamicCache
 
 from app.errors import UserError
 from app.evaluate.lossless import check_lossless
-from app.evaluate.speculative import CachedTarget, evaluate_tau, speculative_generate
-from app.evaluate.tree import (
-    _masked_forward,
-    evaluate_trees,
-    tree_decode,
-    tree_verification_inputs,
-    verified_tree_decode,
-)
+from app.evaluate.replay import evaluate_replay, replay_prompt
+from app.evaluate.speculative import CachedTarget, speculative_generate
+from app.evaluate.tree import _masked_forward, tree_verification_inputs, verified_tree_decode
 from app.model.drafter import DFlashDrafter
 from app.model.tree import build_tree
 from tests.helpers import run_dflash
@@ -77,14 +72,18 @@ def test_bad_budgets_are_one_line_user_errors():
 class RankedDrafter(DFlashDrafter):
     """Drafts from the known greedy continuation: at depth d of the block rooted at position p the
     true token gets rank `rank(p, d)` (logits fall by 1 per rank), so the test knows which tree
-    holds it. Also checks that the context cache holds exactly the tokens before the root."""
+    holds it. Also checks that the context cache holds the tokens before each root, in order (the
+    loop's holds exactly those, the replay's the whole sequence)."""
 
     def __init__(self, arch, prompt_length, continuation, rank):
         super().__init__(arch, seed=0)
         self.prompt_length, self.continuation, self.rank = prompt_length, continuation, rank
 
-    def draft_logits(self, cache, last_token_id, position, embed_tokens, lm_head):
-        assert torch.equal(cache.positions, torch.arange(position)), "context cache out of step"
+    def blocks_logits(self, cache, anchor_tokens, anchor_positions, embed_tokens, lm_head):
+        return torch.stack([self._block(cache, int(position)) for position in anchor_positions])
+
+    def _block(self, cache, position):
+        assert torch.equal(cache.positions[:position], torch.arange(position)), "context cache out of step"
         vocab, depth = self.arch.vocab_size, self.arch.block_size - 1
         start = position + 1 - self.prompt_length
         truth = (self.continuation + [0] * depth)[start : start + depth]
@@ -125,7 +124,9 @@ def test_top_1_with_budget_b_minus_1_is_the_chain_round_for_round(scripted):
     assert chain.tokens == greedy
     assert max(chain.acceptance_lengths) > 1  # the test drafts some right tokens
     depth = drafter.arch.block_size - 1
-    assert tree_decode(target, drafter, PROMPT, greedy, [depth], top_k=1) == {depth: chain.acceptance_lengths}
+    replayed = replay_prompt(target, drafter, PROMPT, greedy, [depth], top_k=1)
+    assert replayed.trees == {depth: chain.acceptance_lengths}
+    assert replayed.chain.acceptance_lengths == chain.acceptance_lengths
 
 
 def test_a_tree_holding_the_top_1_chain_accepts_at_least_as_much_at_every_root(scripted):
@@ -152,7 +153,7 @@ def test_tree_acceptance_from_the_greedy_decode_equals_a_real_tree_verification_
     target, drafter, greedy = scripted
     tokens, verified = verified_tree_decode(target, drafter, PROMPT, NEW_TOKENS, NO_STOP, budget=32, top_k=3)
     assert tokens == greedy  # lossless
-    simulated = tree_decode(target, drafter, PROMPT, greedy, [32], top_k=3)[32]
+    simulated = replay_prompt(target, drafter, PROMPT, greedy, [32], top_k=3).trees[32]
     assert simulated == verified
     chain = speculative_generate(target, drafter, PROMPT, NEW_TOKENS).acceptance_lengths
     assert sum(simulated) == sum(chain) and len(simulated) < len(chain)  # fewer rounds, same tokens
@@ -161,8 +162,8 @@ def test_tree_acceptance_from_the_greedy_decode_equals_a_real_tree_verification_
 
 def test_the_lossless_check_compares_chain_and_real_tree_with_the_greedy_decode(scripted):
     target, drafter, _ = scripted
-    result = evaluate_tau(target, drafter, [PROMPT], NEW_TOKENS)
-    result.trees = evaluate_trees(target, drafter, [PROMPT], result, [32], top_k=3)
+    greedy = speculative_generate(target, drafter, PROMPT, NEW_TOKENS).tokens
+    result = evaluate_replay(target, drafter, [PROMPT], [greedy], [32], top_k=3)
     check = check_lossless(target, drafter, [PROMPT], result, NEW_TOKENS, [])
     assert check.ok and (check.chain_equal, check.tree_equal, check.tree_budget) == (1, 1, 32)
 
@@ -171,7 +172,7 @@ def test_the_lossless_check_compares_chain_and_real_tree_with_the_greedy_decode(
     broken = check_lossless(target, drafter, [PROMPT], result, NEW_TOKENS, [])
     assert not broken.ok and (broken.chain_equal, broken.tree_equal) == (0, 0)
     assert broken.first_mismatch == [
-        "prompt 0: chain output differs from the greedy decode",
+        "prompt 0: the chain's output or rounds differ from the greedy decode or the loop",
         "prompt 0: tree verification differs",
     ]
 

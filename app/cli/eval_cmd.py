@@ -3,10 +3,14 @@ chain's and, for each tree budget, DDTree's."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from app.atomic import write_bytes_atomic
 from app.cli.arguments import int_list
 
 
@@ -58,6 +62,12 @@ def evaluate(
     per_prompt: Annotated[
         bool, typer.Option("--per-prompt", help="Also print each prompt's chain and tree tau.")
     ] = False,
+    json_out: Annotated[
+        str | None,
+        typer.Option(
+            "--json", help="Also write everything measured (per budget, depth and domain) to this JSON file."
+        ),
+    ] = None,
 ) -> None:
     """Speculative-decode held-out prompts with the target and the drafter; print chain and tree tau
     and their histograms (exit 1 when --check-lossless finds a decode other than the target's)."""
@@ -72,9 +82,17 @@ def evaluate(
         tree_budgets=budgets,
         tree_top_k=tree_top_k,
         check_lossless=lossless,
+        progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     for line in evaluation.describe() + (evaluation.result.describe_prompts() if per_prompt else []):
         print(line, flush=True)
+    if json_out is not None:
+        record = {
+            "step": evaluation.step,
+            "checkpoint": str(evaluation.checkpoint),
+            **evaluation.result.report(),
+        }
+        write_bytes_atomic(Path(json_out), json.dumps(record, indent=1).encode())
     if evaluation.lossless is not None and not evaluation.lossless.ok:
         raise typer.Exit(1)
 

@@ -22,6 +22,7 @@ from torch.compiler._cache import CacheArtifactManager
 from torch.nn.attention.flex_attention import flex_attention
 
 from app.model.attention import FlexKernel
+from app.model.decode import BatchDecoder
 from app.model.drafter import CompiledKernels, DFlashDrafter
 from app.model.target import TargetModel
 
@@ -63,6 +64,18 @@ def compile_target(target: TargetModel) -> int:
         original = _TRANSFORMERS_ROTARY.setdefault(modeling, modeling.apply_rotary_pos_emb)
         modeling.apply_rotary_pos_emb = _rotary_over_flat_tokens(torch.compile(original), original)
     return len(modules)
+
+
+def compile_decode_step(decoder: BatchDecoder) -> None:
+    """Compile the target's batched decode step (`app.model.decode`) into CUDA graphs: one token per
+    row through the whole model, at the decoder's one shape, so it compiles on its first call and
+    never again in the process (fullgraph: a graph break would be an error, not a quiet slow path).
+    Eager, a 30-layer target's step is hundreds of kernel launches from Python for a few microseconds
+    of work each; replayed as a graph it runs at the GPU's pace."""
+    if decoder.model.device.type != "cuda":
+        raise RuntimeError("compile_decode_step: only on CUDA (CUDA graphs)")
+    require_main_thread("the target's decode step")
+    decoder.step = torch.compile(decoder.decode_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
 
 
 # transformers' own `apply_rotary_pos_emb` per modeling module, so compiling a second target of the

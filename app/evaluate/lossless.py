@@ -1,11 +1,14 @@
 """Losslessness, checked rather than assumed (`dflash eval --check-lossless`).
 
-Greedy verification must emit exactly the target's own greedy decode, chain or tree. The check
-decodes every prompt plainly with the target (Hugging Face `generate`, greedy, the same stop tokens
-and budget) and compares it with the chain's output; on an attention-only target it also runs the
-real tree-verification forward (`verified_tree_decode`) at the first tree budget and compares its
-output with the greedy decode and its acceptance lengths with the ones tree tau was computed from.
-A hybrid target takes no ancestor mask, so there the tree's acceptance rests on the chain's output.
+Greedy verification must emit exactly the target's own greedy decode, chain or tree, and eval's tau
+rests on it: it replays the rounds from the greedy decode (`app.evaluate.replay`). The check decodes
+every prompt plainly with the target (Hugging Face `generate`, greedy, one prompt at a time, the same
+stop tokens and budget), runs the real speculative loop (`speculative_generate`, one target forward
+per round) and requires the loop's output and the replay's answer to equal it and the loop's
+acceptance lengths to equal the replayed ones. On an attention-only target it also runs the real
+tree-verification forward (`verified_tree_decode`) at the first tree budget and compares its output
+with the greedy decode and its acceptance lengths with the replayed tree's. A hybrid target takes no
+ancestor mask, so there the tree's acceptance rests on the chain's.
 
 On a GPU in bf16 an incremental decode and a block verification round differently, so a mismatch
 there can be numerics rather than a bug: the check counts, names the first differing prompt, and
@@ -19,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.evaluate.speculative import EvalResult
+from app.evaluate.result import EvalResult
+from app.evaluate.speculative import speculative_generate
 from app.evaluate.tree import verified_tree_decode
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel
@@ -43,7 +47,10 @@ class LosslessCheck:
         return self.chain_equal == self.prompts and tree_ok
 
     def describe(self) -> str:
-        line = f"lossless: the chain's output equals the target's greedy decode on {self.chain_equal}/{self.prompts} prompts"
+        line = (
+            f"lossless: the speculative loop's output equals the target's greedy decode, and its rounds the "
+            f"replayed ones, on {self.chain_equal}/{self.prompts} prompts"
+        )
         if self.tree_budget is None:
             line += "; tree: not verified by a real forward (the target's layers take no ancestor mask)"
         else:
@@ -88,9 +95,15 @@ def check_lossless(
     check = LosslessCheck(len(prompts), 0, tree.budget if tree else None)
     for index, (prompt, decoded) in enumerate(zip(prompts, result.per_prompt, strict=True)):
         greedy = greedy_decode(target, prompt, max_new_tokens, stop_ids)
-        check.chain_equal += decoded.tokens == greedy
-        if decoded.tokens != greedy and not check.first_mismatch:
-            check.first_mismatch.append(f"prompt {index}: chain output differs from the greedy decode")
+        loop = speculative_generate(target, drafter, prompt, max_new_tokens, stop_ids, autocast_dtype)
+        equal = (
+            loop.tokens == greedy == decoded.tokens and loop.acceptance_lengths == decoded.acceptance_lengths
+        )
+        check.chain_equal += equal
+        if not equal and not check.first_mismatch:
+            check.first_mismatch.append(
+                f"prompt {index}: the chain's output or rounds differ from the greedy decode or the loop"
+            )
         if tree is None:
             continue
         tokens, lengths = verified_tree_decode(

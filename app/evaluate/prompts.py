@@ -5,10 +5,15 @@ first assistant turn (system and user), rendered with the target's chat template
 generation prompt, exactly as a serving engine would send them. Or a tokenized dataset (the run's
 held-out records): each sample's tokens before its first supervised token, i.e. up to and
 including the first assistant header.
+
+Each prompt keeps its record's `domain`. When the records carry domains, `limit` counts per domain
+(the first `limit` of each, in record order), so that every domain's tau rests on as many prompts;
+without domains it counts in all.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +29,21 @@ if TYPE_CHECKING:
 PROMPT_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
+@dataclass
+class EvalPrompts:
+    """Prompts as token ids and each one's domain ("" when its record has none)."""
+
+    ids: list[list[int]]
+    domains: list[str]
+
+
 def prompts_from_file(
     path: str | Path,
     tokenizer: PreTrainedTokenizerBase,
     limit: int,
     chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[list[int]]:
-    """The first `limit` usable records of a conversation file, rendered up to their first reply."""
+) -> EvalPrompts:
+    """The first `limit` usable records (per domain) of a conversation file, rendered up to their first reply."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"--data: {path}: file not found")
@@ -47,19 +60,45 @@ def prompts_from_file(
             f"--data: {path}: no usable conversation among {loaded.total} records{reason}; expected OpenAI "
             "`messages` or ShareGPT `conversations` records with a user turn"
         )
-    return [_render(record, tokenizer, chat_template_kwargs or {}) for record in loaded.records[:limit]]
+    chosen = first_per_domain([record.domain or "" for record in loaded.records], limit)
+    records = [loaded.records[index] for index in chosen]
+    return EvalPrompts(
+        [_render(record, tokenizer, chat_template_kwargs or {}) for record in records],
+        [record.domain or "" for record in records],
+    )
 
 
-def prompts_from_dataset(dataset: TokenizedDataset, limit: int) -> list[list[int]]:
-    """The first `limit` samples' tokens before their first supervised (assistant) token."""
-    prompts = []
-    for input_ids, loss_mask in dataset.fetch(range(min(limit, len(dataset)))):
+def prompts_from_dataset(dataset: TokenizedDataset, limit: int) -> EvalPrompts:
+    """The first `limit` samples (per domain) as their tokens before their first supervised
+    (assistant) token; samples with no prompt there are passed over."""
+    domains = dataset.domains
+    prompts = EvalPrompts([], [])
+    usable = []
+    for index, (input_ids, loss_mask) in enumerate(dataset.fetch(range(len(dataset)))):
         supervised = np.flatnonzero(loss_mask)
         if len(supervised) and supervised[0] > 0:
-            prompts.append(input_ids[: supervised[0]].astype(np.int64).tolist())
-    if not prompts:
+            usable.append((index, input_ids[: supervised[0]].astype(np.int64).tolist()))
+    for position in first_per_domain([domains[index] for index, _ in usable], limit):
+        index, ids = usable[position]
+        prompts.ids.append(ids)
+        prompts.domains.append(domains[index])
+    if not prompts.ids:
         raise UserError("eval: none of the held-out samples has a prompt before its first assistant turn")
     return prompts
+
+
+def first_per_domain(domains: list[str], limit: int) -> list[int]:
+    """Indices of the first `limit` items of each domain, in order; of the first `limit` items when
+    no item has a domain."""
+    if not any(domains):
+        return list(range(min(limit, len(domains))))
+    taken: dict[str, int] = {}
+    chosen = []
+    for index, domain in enumerate(domains):
+        if taken.get(domain, 0) < limit:
+            taken[domain] = taken.get(domain, 0) + 1
+            chosen.append(index)
+    return chosen
 
 
 def _render(

@@ -29,127 +29,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from app.errors import UserError
+from app.evaluate.result import EvalResult, GenerationResult, TargetCacheMode
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel
-
-if TYPE_CHECKING:
-    from app.evaluate.tree import TreeResult
-
-TargetCacheMode = Literal["kv-cache", "recompute"]
-
-
-@dataclass
-class GenerationResult:
-    """One prompt's speculative decode."""
-
-    tokens: list[int]
-    """Generated token ids (the prompt excluded), ending with the end-of-sequence token if one was emitted."""
-    acceptance_lengths: list[int]
-    """Tokens emitted by each round (accepted drafts + 1), in order."""
-    target_cache: TargetCacheMode
-    """How the target kept its state between rounds."""
-
-
-@dataclass
-class EvalResult:
-    """Acceptance length over a set of prompts."""
-
-    tau: float
-    """Mean acceptance length over all rounds of all prompts (NaN when no round ran)."""
-    rounds: int
-    generated_tokens: int
-    block_size: int
-    target_cache: TargetCacheMode
-    per_prompt: list[GenerationResult] = field(default_factory=list)
-    trees: list[TreeResult] = field(default_factory=list)
-    """Tree acceptance (DDTree) over the same prompts and decodes, one per budget measured."""
-
-    @property
-    def tree_tau(self) -> float | None:
-        """tau of the first tree budget measured (the configured one in periodic eval); None without."""
-        return self.trees[0].tau if self.trees else None
-
-    @property
-    def histogram(self) -> list[int]:
-        """`histogram[k - 1]` = number of rounds that emitted k tokens, for k = 1 .. block_size."""
-        return acceptance_histogram(
-            [result.acceptance_lengths for result in self.per_prompt], self.block_size
-        )
-
-    @property
-    def tokens_per_target_forward(self) -> float:
-        """Generated tokens per target forward (prefills included): the speedup bound of the decode."""
-        forwards = self.rounds + len(self.per_prompt)
-        return self.generated_tokens / forwards if forwards else math.nan
-
-    def describe(self) -> list[str]:
-        """Human-readable summary lines: tau, counts, and the acceptance histogram."""
-        lines = [
-            f"tau (mean acceptance length, max {self.block_size}): {self.tau:.3f}",
-            f"prompts: {len(self.per_prompt)}, rounds: {self.rounds}, generated tokens: {self.generated_tokens}, "
-            f"tokens/round: {self.generated_tokens / self.rounds if self.rounds else math.nan:.3f}, "
-            f"tokens/target forward: {self.tokens_per_target_forward:.3f}",
-            f"target state between rounds: {self.target_cache}",
-            "acceptance histogram (tokens emitted per round: rounds):",
-        ]
-        histogram = self.histogram
-        widest = max(histogram, default=0)
-        for length, count in enumerate(histogram, start=1):
-            bar = "#" * round(40 * count / widest) if widest else ""
-            lines.append(f"  {length:>3}: {count:>6} {bar}")
-        for tree in self.trees:
-            gain = tree.tau / self.tau - 1 if self.tau and not math.isnan(self.tau) else math.nan
-            counts = " ".join(f"{length}:{count}" for length, count in enumerate(tree.histogram, 1) if count)
-            lines += [
-                f"tree tau (DDTree, budget {tree.budget}, top-{tree.top_k} per depth): {tree.tau:.3f} "
-                f"({gain:+.1%} vs the chain) over {tree.rounds} rounds",
-                f"  tokens emitted per round: rounds: {counts}",
-            ]
-        return lines
-
-    def summary(self) -> dict[str, float | int]:
-        """What periodic eval records (metrics.jsonl, status.json, wandb): chain tau, the first tree
-        budget's tau, rounds and tokens."""
-        tree = {"tree_tau": self.trees[0].tau, "tree_budget": self.trees[0].budget} if self.trees else {}
-        return {"tau": self.tau, **tree, "rounds": self.rounds, "generated_tokens": self.generated_tokens}
-
-    def summary_line(self) -> str:
-        """`tau=2.310 (tree tau=2.874 at budget 64) over 40 rounds of 8 prompts`."""
-        tree = f" (tree tau={self.trees[0].tau:.3f} at budget {self.trees[0].budget})" if self.trees else ""
-        return f"tau={self.tau:.3f}{tree} over {self.rounds} rounds of {len(self.per_prompt)} prompts"
-
-    def describe_prompts(self) -> list[str]:
-        """One line per prompt: its chain tau and each tree budget's."""
-        lines = []
-        for index, result in enumerate(self.per_prompt):
-            line = f"prompt {index}: {len(result.tokens)} tokens, chain tau {_mean(result.acceptance_lengths):.3f}"
-            for tree in self.trees:
-                line += f", tree tau (budget {tree.budget}) {_mean(tree.acceptance_lengths[index]):.3f}"
-            lines.append(line)
-        return lines
-
-
-def acceptance_histogram(per_prompt: Sequence[Sequence[int]], block_size: int) -> list[int]:
-    """`[k - 1]`: rounds that emitted k tokens (k = 1 .. block_size), over every prompt's rounds."""
-    counts = [0] * block_size
-    for lengths in per_prompt:
-        for length in lengths:
-            counts[length - 1] += 1
-    return counts
-
-
-def _mean(lengths: list[int]) -> float:
-    return sum(lengths) / len(lengths) if lengths else math.nan
 
 
 def evaluate_tau(
@@ -167,15 +56,7 @@ def evaluate_tau(
         speculative_generate(target, drafter, prompt, max_new_tokens, eos_token_id, autocast_dtype)
         for prompt in prompts
     ]
-    lengths = [length for result in results for length in result.acceptance_lengths]
-    return EvalResult(
-        tau=sum(lengths) / len(lengths) if lengths else math.nan,
-        rounds=len(lengths),
-        generated_tokens=sum(len(result.tokens) for result in results),
-        block_size=drafter.arch.block_size,
-        target_cache=results[0].target_cache,
-        per_prompt=results,
-    )
+    return EvalResult.pooled(results, drafter.arch.block_size)
 
 
 @torch.inference_mode()

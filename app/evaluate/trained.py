@@ -7,10 +7,11 @@ records it held out of its training files: the same ones the periodic eval of th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.config import require_builtin_packages
 from app.data.dataset import load_tokenized, load_training_data
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
@@ -51,30 +52,42 @@ def evaluate_trained(
     tree_budgets: Sequence[int] | None = None,
     tree_top_k: int | None = None,
     check_lossless: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> TrainedEvaluation:
     """Speculative-decode `prompts` prompts (default `train.eval_prompts`) of up to `max_new_tokens`
     tokens (default `train.eval_max_new_tokens`) with the run's target and `source`'s drafter; tree
     tau at each of `tree_budgets` with `tree_top_k` tokens per depth (defaults: the run's
     `train.eval_tree_budget` and `train.eval_tree_top_k`); `check_lossless` also compares the decodes
-    with the target's plain greedy decode (`app.evaluate.lossless`)."""
+    with the target's plain greedy decode (`app.evaluate.lossless`); `progress` hears how it goes."""
     trained = load_trained_drafter(source)
     config = trained.config
+    require_builtin_packages(config.target.builtin)  # before the tokenizer, data or target load
     count = prompts or config.train.eval_prompts
     tokenizer = load_tokenizer(config)
     if data is not None:
-        prompt_ids = prompts_from_file(str(data), tokenizer, count, config.data.chat_template_kwargs)
+        chosen = prompts_from_file(str(data), tokenizer, count, config.data.chat_template_kwargs)
     elif config.data.eval_files:
         held_out = load_tokenized(config.data.eval_files, config.data, tokenizer, min_supervised_tokens=1)
-        prompt_ids = prompts_from_dataset(held_out, count)
+        chosen = prompts_from_dataset(held_out, count)
     elif config.data.train_files:
-        prompt_ids = prompts_from_dataset(load_training_data(config, tokenizer)[1], count)
+        chosen = prompts_from_dataset(load_training_data(config, tokenizer)[1], count)
     else:
         raise UserError(
             "eval: no prompts: pass --data FILE or set data.eval_files / data.train_files in the run config"
         )
     device = pick_device(config.train.device)
     target = load_target(config, device)
-    evaluator = Evaluator(config, target, tokenizer, prompt_ids, max_new_tokens, tree_budgets, tree_top_k)
+    evaluator = Evaluator(
+        config,
+        target,
+        tokenizer,
+        chosen.ids,
+        max_new_tokens,
+        tree_budgets,
+        tree_top_k,
+        domains=chosen.domains,
+        progress=progress,
+    )
     drafter = trained.build(target, device)
     result = evaluator(drafter)
     lossless = evaluator.check_lossless(drafter, result) if check_lossless else None

@@ -1,136 +1,25 @@
-"""DDTree acceptance in eval: the DFlash drafter's block verified as a tree (`app.model.tree`) instead of
-a chain.
+"""DDTree verified for real: the target's forward over the accepted sequence plus the tree under its
+ancestor mask (`app.model.tree`).
 
 Greedy tree verification is lossless, so a round accepts exactly the longest prefix of the target's
-own greedy continuation that is a path of the tree. `tree_decode` computes tree acceptance that way,
-from the target's greedy decode and its hidden states (one forward over the decoded sequence): it
-needs no tree-masked target forward and so covers hybrid targets, whose linear-attention layers take
-no ancestor mask. `verified_tree_decode` runs the real tree-verification forward on an attention-only
-target; the two agree round for round (tests/test_tree.py).
+own greedy continuation that is a path of the tree: eval computes tree acceptance that way, from the
+greedy decode (`app.evaluate.replay`), which needs no tree-masked target forward and so covers hybrid
+targets, whose linear-attention layers take no ancestor mask. `verified_tree_decode` runs the real
+verification on an attention-only target; the two agree round for round (tests/test_tree.py), and
+`dflash eval --check-lossless` runs it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from app.errors import UserError
-from app.evaluate.speculative import (
-    EvalResult,
-    acceptance_histogram,
-    cut_round,
-    drafter_autocast,
-    tapped_features,
-)
+from app.evaluate.speculative import cut_round, drafter_autocast, tapped_features
 from app.model.drafter import DFlashDrafter
 from app.model.target import TargetModel
 from app.model.tree import DraftTree, build_tree
-
-
-@dataclass
-class TreeResult:
-    """Tree acceptance over a set of prompts for one (budget, top-K)."""
-
-    budget: int
-    top_k: int
-    block_size: int
-    acceptance_lengths: list[list[int]] = field(default_factory=list)
-    """Per prompt, the tokens each round emitted (accepted nodes + the target's token)."""
-
-    @property
-    def rounds(self) -> int:
-        return sum(len(lengths) for lengths in self.acceptance_lengths)
-
-    @property
-    def tau(self) -> float:
-        rounds = self.rounds
-        return sum(map(sum, self.acceptance_lengths)) / rounds if rounds else math.nan
-
-    @property
-    def histogram(self) -> list[int]:
-        return acceptance_histogram(self.acceptance_lengths, self.block_size)
-
-
-def evaluate_trees(
-    target: TargetModel,
-    drafter: DFlashDrafter,
-    prompts: Sequence[Sequence[int]],
-    chain: EvalResult,
-    budgets: Sequence[int],
-    top_k: int,
-    autocast_dtype: torch.dtype | None = None,
-) -> list[TreeResult]:
-    """Tree acceptance at each of `budgets` over the prompts whose greedy decodes `chain` holds (the
-    chain's output is the target's greedy decode: verification is lossless)."""
-    results = [TreeResult(budget, top_k, drafter.arch.block_size) for budget in budgets]
-    for prompt, decoded in zip(prompts, chain.per_prompt, strict=True):
-        per_budget = tree_decode(target, drafter, prompt, decoded.tokens, budgets, top_k, autocast_dtype)
-        for result in results:
-            result.acceptance_lengths.append(per_budget[result.budget])
-    return results
-
-
-@torch.inference_mode()
-def tree_decode(
-    target: TargetModel,
-    drafter: DFlashDrafter,
-    prompt: Sequence[int],
-    greedy: Sequence[int],
-    budgets: Sequence[int],
-    top_k: int,
-    autocast_dtype: torch.dtype | None = None,
-) -> dict[int, list[int]]:
-    """Tree-verified rounds over `greedy`, the target's greedy decode after `prompt` (already cut at
-    the token budget and the end token): per budget, each round's acceptance length. One target
-    forward over the sequence serves every budget."""
-    sequence = torch.tensor([*prompt, *greedy], dtype=torch.long, device=target.device)
-    features = sequence_features(target, sequence)
-    return {
-        budget: _tree_rounds(target, drafter, sequence, features, len(prompt), budget, top_k, autocast_dtype)
-        for budget in budgets
-    }
-
-
-def _tree_rounds(
-    target: TargetModel,
-    drafter: DFlashDrafter,
-    sequence: torch.Tensor,
-    features: torch.Tensor,
-    prompt_length: int,
-    budget: int,
-    top_k: int,
-    autocast_dtype: torch.dtype | None,
-) -> list[int]:
-    greedy = sequence[prompt_length:].tolist()
-    context = drafter.new_cache()
-    positions = torch.arange(len(sequence), device=target.device)
-    with drafter_autocast(drafter, autocast_dtype):
-        drafter.extend_context(features[:prompt_length], positions[:prompt_length], context)
-    emitted, lengths, depth = 1, [], drafter.arch.block_size - 1
-    while emitted < len(greedy):
-        position = prompt_length + emitted - 1  # of the round's root
-        with drafter_autocast(drafter, autocast_dtype):
-            logits = drafter.draft_logits(
-                context, sequence[position], position, target.embed_tokens, target.lm_head
-            )
-        accepted = build_tree(logits, budget, top_k).accepted(greedy[emitted : emitted + depth])
-        length = min(accepted + 1, len(greedy) - emitted)
-        lengths.append(length)
-        with drafter_autocast(drafter, autocast_dtype):
-            drafter.extend_context(
-                features[position : position + length], positions[position : position + length], context
-            )
-        emitted += length
-    return lengths
-
-
-def sequence_features(target: TargetModel, sequence: torch.Tensor) -> torch.Tensor:
-    """`[n, K*H]`: the tapped layers' outputs over a whole token sequence (causal: the same as the
-    verification forwards of any rounds that produced it)."""
-    return target.features(sequence[None])[0]
 
 
 @torch.inference_mode()

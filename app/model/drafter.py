@@ -11,6 +11,7 @@ See docs/architecture.md, DFlash model and objective.
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -435,24 +436,38 @@ class DFlashDrafter(nn.Module):
         embed_tokens: nn.Embedding,
         lm_head: nn.Module,
     ) -> torch.Tensor:
-        """Logits `[B-1, V]` of one block `[last token, MASK...]` at positions `position + k`.
+        """Logits `[B-1, V]` of one block `[last token, MASK...]` at positions `position + k`, over the
+        cached context before `position`; the block's own K/V are used for this round only, never cached."""
+        device = self.fc.weight.device
+        anchors = torch.as_tensor(last_token_id, device=device).reshape(1)
+        return self.blocks_logits(
+            cache, anchors, torch.tensor([position], device=device), embed_tokens, lm_head
+        )[0]
 
-        The cache must hold exactly the context before `position` (the anchor sees strictly earlier
-        tokens); the block's own K/V are used for this round only, never cached.
-        """
-        arch, device = self.arch, self.fc.weight.device
-        anchor = torch.as_tensor(last_token_id, device=device).reshape(1)
-        hidden = self._compute_dtype(embed_tokens(self._block_tokens(anchor))[0])
-        block_positions = position + torch.arange(arch.block_size, device=device)
+    @torch.no_grad()
+    def blocks_logits(
+        self,
+        cache: ContextCache,
+        anchor_tokens: torch.Tensor,
+        anchor_positions: torch.Tensor,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Module,
+    ) -> torch.Tensor:
+        """Logits `[A, B-1, V]` of A blocks `[anchor token, MASK...]` at once: block a sits at positions
+        `anchor_positions[a] + k` and sees the cached context strictly before its anchor (a draft round's
+        view, whatever else the cache holds), so a cache of a whole sequence serves every round of it
+        (`app.evaluate.replay`). Anchors form the batch of each attention: the context K/V are shared."""
+        arch = self.arch
+        hidden = self._compute_dtype(embed_tokens(self._block_tokens(anchor_tokens)))  # [A, B, H]
+        count, block = hidden.shape[:2]
+        block_positions = (anchor_positions[:, None] + torch.arange(block, device=hidden.device)).reshape(-1)
         rope = rotary_tables(block_positions, arch.head_dim, arch.rope_theta)
+        hidden = hidden.reshape(count * block, arch.hidden_size)
         for index, layer in enumerate(self.layers):
-            mask = self._inference_mask(cache, position, arch.layer_window(index))
-
-            def attend(query, key, value, mask=mask):
-                return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
-
+            mask = self._inference_mask(cache, anchor_positions, arch.layer_window(index))
+            attend = functools.partial(_attend_per_block, mask=mask, context=cache.length)
             hidden = layer.over_context_kv(hidden, cache.keys[index], cache.values[index], rope, attend)
-        hidden = self.norm.forward(hidden)[1:]
+        hidden = self.norm.forward(hidden).view(count, block, arch.hidden_size)[:, 1:]
         return lm_head(hidden.to(lm_head.weight.dtype)).float()
 
     def draft(
@@ -482,15 +497,18 @@ class DFlashDrafter(nn.Module):
     def _windows(self) -> set[int | None]:
         return {self.arch.layer_window(index) for index in range(self.arch.num_layers)}
 
-    def _inference_mask(self, cache: ContextCache, position: int, window: int | None) -> torch.Tensor | None:
-        if window is None:
-            return None  # every cached context token and the whole block
-        # the per-query window (app/model/attention.py): slot o sees [position + o - (window - 1), position + o]
-        slots = torch.arange(self.arch.block_size, device=cache.positions.device)
-        window_start = position + slots[:, None] - (window - 1)
-        context = cache.positions[None, :] >= window_start
-        block = (slots[None, :] <= slots[:, None]) & (position + slots[None, :] >= window_start)
-        return torch.cat([context, block], dim=1)
+    def _inference_mask(self, cache: ContextCache, anchors: torch.Tensor, window: int | None) -> torch.Tensor:
+        """`[A, B, n + B]` bool: slot o of the block at anchor p sees the cached context before p and
+        its block (the per-query window, app/model/attention.py: positions in [p + o - (W - 1), p + o])."""
+        slots = torch.arange(self.arch.block_size, device=anchors.device)
+        context = cache.positions[None, None, :] < anchors[:, None, None]
+        block = torch.ones(len(slots), len(slots), dtype=torch.bool, device=anchors.device)
+        if window is not None:
+            window_start = anchors[:, None, None] + slots[None, :, None] - (window - 1)
+            context = context & (cache.positions[None, None, :] >= window_start)
+            block = (slots[None, :] <= slots[:, None]) & (slots[:, None] - slots[None, :] <= window - 1)
+        context = context.expand(len(anchors), len(slots), -1)
+        return torch.cat([context, block.expand(len(anchors), -1, -1)], dim=2)
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.Tensor:
         """Without autocast, bring target-dtype inputs (bf16 features/embeddings) to the weights' dtype."""
@@ -520,3 +538,29 @@ class DFlashDrafter(nn.Module):
                 f"drafter: the target embedding is {embed_tokens.num_embeddings} x {embed_tokens.embedding_dim}, "
                 f"expected {arch.vocab_size} x {arch.hidden_size}"
             )
+
+
+def _attend_per_block(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, mask: torch.Tensor, context: int
+) -> torch.Tensor:
+    """Attention of A blocks laid out flat (`query [1, h, A*B, d]`, keys `[1, kv, n + A*B, d]`: the
+    shared context, then every block's own) with each block as a batch row over the context and its
+    own keys, under `mask [A, B, n + B]`: no block pays for the others' keys."""
+    count, block = mask.shape[:2]
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
+
+    def per_block(tensor: torch.Tensor, head_count: int) -> torch.Tensor:
+        return tensor[0].view(head_count, count, block, dim).transpose(0, 1)
+
+    def with_context(tensor: torch.Tensor) -> torch.Tensor:
+        shared = tensor[0, :, :context].expand(count, -1, -1, -1)
+        return torch.cat([shared, per_block(tensor[:, :, context:], kv_heads)], dim=2)
+
+    out = F.scaled_dot_product_attention(
+        per_block(query, heads),
+        with_context(key),
+        with_context(value),
+        attn_mask=mask[:, None],
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1).reshape(1, heads, count * block, dim)

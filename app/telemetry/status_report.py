@@ -154,6 +154,13 @@ def _progress_line(status: dict[str, Any]) -> str:
             f", tree tau {tree:.3f} at budget {evaluated.get('tree_budget')}" if tree is not None else ""
         )
         line += f"; eval tau {evaluated.get('tau', 0):.3f}{tree_text} (step {evaluated.get('step')})"
+        domains = evaluated.get("domains") or {}
+        if domains:
+            line += "; per domain: " + ", ".join(
+                f"{name} {part.get('tau', 0):.2f}"
+                + (f" (tree {part['tree_tau']:.2f})" if part.get("tree_tau") is not None else "")
+                for name, part in domains.items()
+            )
     return line
 
 

@@ -479,11 +479,13 @@ class Trainer:
         if self.target is None:
             raise UserError("eval: this rank holds no target (split topology); use `dflash eval RUN_DIR`")
         prompts = prompts_from_dataset(self.eval_data, self.config.train.eval_prompts)
-        return Evaluator(self.config, self.target, self.tokenizer, prompts)
+        return Evaluator(self.config, self.target, self.tokenizer, prompts.ids, domains=prompts.domains)
 
     def evaluate(self) -> dict[str, Any]:
         """Acceptance length tau of the current drafter on held-out prompts (greedy speculative decoding)."""
         result = self.evaluator(self.drafter)
+        if self.device.type == "cuda":  # eval's blocks, left reserved, read as training's memory growing
+            torch.cuda.empty_cache()
         record = {"step": self.step, "eval": result.summary()}
         self.log(f"eval step={self.step}: {result.summary_line()}")
         self.telemetry.on_record(record)

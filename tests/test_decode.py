@@ -1,0 +1,74 @@
+"""Batched decoding of the target (`app.model.decode`): left-padded prompts over one static cache give
+each prompt exactly its own greedy decode, stop where a serving engine stops, and sample reproducibly;
+hybrid targets take `generate` and give the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.errors import UserError
+from app.model.decode import BatchDecoder, DecodeShape, GenerateDecoder, batch_decoder
+from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return target_and_drafter(random_target_config())[0]
+
+
+def test_each_prompt_of_a_padded_batch_gets_its_own_greedy_decode(target):
+    decoder = batch_decoder(target.model, DecodeShape(rows=6, max_prompt_tokens=20, max_new_tokens=15), [])
+    assert isinstance(decoder, BatchDecoder)
+    answers = decoder.decode(PROMPTS)  # 4 prompts in 6 rows: two rows repeat the first prompt
+    assert answers == [greedy_reference(target, prompt, 15, None) for prompt in PROMPTS]
+    assert decoder.decode(PROMPTS[1:3]) == answers[1:3]  # the cache of the last call leaves no trace
+
+
+def test_every_answer_ends_after_its_first_stop_token(target):
+    free = [greedy_reference(target, prompt, 24, None) for prompt in PROMPTS]
+    stop = free[0][4]  # a token the first prompt's answer emits early; others run on or stop elsewhere
+    decoder = BatchDecoder(target.model, DecodeShape(rows=4, max_prompt_tokens=20, max_new_tokens=24), [stop])
+    answers = decoder.decode(PROMPTS)
+    assert answers == [greedy_reference(target, prompt, 24, stop) for prompt in PROMPTS]
+    assert answers[0] == free[0][: free[0].index(stop) + 1] and len(answers[0]) < 24
+    assert any(len(answer) == 24 for answer in answers)  # a row that never stops runs to the budget
+
+
+def test_sampling_follows_its_seed(target):
+    shape = DecodeShape(rows=4, max_prompt_tokens=20, max_new_tokens=12)
+    hot = BatchDecoder(target.model, shape, [], temperature=1.0)
+    first = hot.decode(PROMPTS, seed=3)
+    assert hot.decode(PROMPTS, seed=3) == first
+    assert hot.decode(PROMPTS, seed=4) != first
+    greedy = BatchDecoder(target.model, shape, []).decode(PROMPTS)
+    assert first != greedy  # a temperature of 1 over a random model departs from the argmax
+    cold = BatchDecoder(target.model, shape, [], temperature=1e-6).decode(PROMPTS, seed=3)
+    assert cold == greedy
+
+
+def test_a_hybrid_target_decodes_through_generate_with_the_same_answers():
+    linear = {
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+    }
+    hybrid = target_and_drafter(random_target_config("qwen3_5_text", **linear))[0]
+    decoder = batch_decoder(hybrid.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=6), [])
+    assert isinstance(decoder, GenerateDecoder)
+    prompts = PROMPTS[:1] + PROMPTS[3:]  # equal-length-ish prompts: padding in a linear-attention layer
+    assert decoder.decode(prompts) == [greedy_reference(hybrid, prompt, 6, None) for prompt in prompts]
+    with pytest.raises(UserError, match="a static attention cache cannot hold"):
+        BatchDecoder(hybrid.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=6), [])
+
+
+def test_calls_outside_the_shape_are_one_line_errors(target):
+    decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=8, max_new_tokens=4), [])
+    with pytest.raises(UserError, match=r"a call takes 1 to 2 prompts, got 3"):
+        decoder.decode([[1], [2], [3]])
+    with pytest.raises(UserError, match=r"prompts must have 1 to 8 tokens, got up to 9"):
+        decoder.decode([list(range(9))])
+    with pytest.raises(UserError, match=r"prompts must have 1 to 8 tokens"):
+        decoder.decode([[]])

@@ -1,0 +1,142 @@
+"""Eval's replay of the speculative rounds (`app.evaluate.replay`): the walk over the greedy answer,
+the per-depth statistics and the per-domain results. That the replay equals the real loop on a
+trained drafter is checked in tests/test_speculative.py (its trained drafter), and on a scripted one
+in tests/test_tree.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from app.evaluate.prompts import first_per_domain, prompts_from_file
+from app.evaluate.replay import chain_rounds, tree_rounds
+from app.evaluate.result import EvalResult, GenerationResult, TreeResult, depth_statistics
+
+BLOCK = 5  # 4 drafted depths per round
+ANSWER = list(range(100, 123))  # 23 tokens: the prefill's token and 22 more
+
+
+def drafts(correct: int, second_at: set[int] = frozenset()) -> list[list[list[int]]]:
+    """Top-2 drafts `[anchor][depth][rank]` at every anchor: the first `correct` depths right at rank 0,
+    the rest wrong, except depths in `second_at` whose true token is at rank 1."""
+    blocks = []
+    for anchor in range(len(ANSWER) - 1):
+        block = []
+        for depth in range(BLOCK - 1):
+            index = anchor + 1 + depth
+            truth = ANSWER[index] if index < len(ANSWER) else -1
+            if depth < correct:
+                block.append([truth, 7])
+            elif depth in second_at:
+                block.append([8, truth])
+            else:
+                block.append([8, 9])
+        blocks.append(block)
+    return blocks
+
+
+def test_a_chain_round_accepts_the_matching_prefix_and_the_next_starts_after_it():
+    lengths, ranks = chain_rounds(drafts(correct=2), ANSWER)
+    # 22 tokens after the prefill's, 3 per round (2 accepted + the target's), the last round cut: 7 x 3 + 1
+    assert lengths == [3] * 7 + [1]
+    assert ranks[0] == [0, 0, -1, -1] and len(ranks) == len(lengths)
+    assert ranks[-1] == [0, -2, -2, -2]  # the last round's answer ends after its first depth
+    full, _ = chain_rounds(drafts(correct=4), ANSWER)
+    assert full == [5, 5, 5, 5, 2]  # a whole block accepted is B tokens: 4 drafts and the bonus
+
+
+def test_a_tree_finds_the_true_token_at_rank_1_and_the_chain_does_not():
+    token_ids = drafts(correct=1, second_at={1})
+    per_depth = [[-0.01, -3.0], [-0.1, -0.15], [-1.0, -3.0], [-1.0, -3.0]]
+    log_probs = [per_depth for _ in token_ids]
+    chain, ranks = chain_rounds(token_ids, ANSWER)
+    assert chain == [2] * 11 and ranks[0] == [0, 1, -1, -1]
+    # a budget of 3 holds the rank-0 path to depth 2 and the rank-1 sibling of its depth-2 node
+    assert tree_rounds(log_probs, token_ids, ANSWER, budget=3) == [3] * 7 + [1]
+    assert tree_rounds(log_probs, token_ids, ANSWER, budget=1) == chain[:11]
+
+
+def test_depth_statistics_count_acceptance_and_top_k_coverage_per_depth():
+    per_prompt = [GenerationResult(ANSWER, [3, 1, 5], "replay")]
+    ranks = [[[0, 0, 3, -1], [5, 0, -1, -1], [0, 0, 0, 0]]]
+    result = EvalResult.pooled(per_prompt, BLOCK, depth_ranks=ranks)
+    stats = depth_statistics(result)
+    assert stats["accepted"] == [2 / 3, 2 / 3, 1 / 3, 1 / 3]
+    assert stats["top1"] == [2 / 3, 1.0, 1 / 3, 1 / 3]
+    assert stats["top4"] == [2 / 3, 1.0, 2 / 3, 1 / 3]
+    assert stats["top8"] == [1.0, 1.0, 2 / 3, 1 / 3]
+    ended = EvalResult.pooled(per_prompt, BLOCK, depth_ranks=[[[0, -2, -2, -2]]])
+    assert depth_statistics(ended)["top1"][0] == 1.0 and math.isnan(depth_statistics(ended)["top1"][1])
+
+
+def test_results_split_by_domain_with_their_own_tau_and_tree_tau():
+    per_prompt = [
+        GenerationResult(ANSWER[:7], [2, 2, 2], "replay"),
+        GenerationResult(ANSWER[:5], [4], "replay"),
+        GenerationResult(ANSWER[:4], [1, 1, 1], "replay"),
+    ]
+    tree = TreeResult(64, 8, BLOCK, [[3, 3], [4], [1, 2]])
+    result = EvalResult.pooled(per_prompt, BLOCK, [tree], ["code", "prose", "code"])
+    assert result.tau == 13 / 7
+    domains = result.by_domain()
+    assert list(domains) == ["code", "prose"]
+    assert domains["code"].tau == 9 / 6 and domains["code"].tree_tau == 9 / 4
+    assert domains["prose"].tau == 4.0 and domains["prose"].trees[0].acceptance_lengths == [[4]]
+    summary = result.summary()
+    assert summary["domains"] == {
+        "code": {"tau": 1.5, "tree_tau": 2.25, "prompts": 2},
+        "prose": {"tau": 4.0, "tree_tau": 4.0, "prompts": 1},
+    }
+    lines = result.describe()
+    assert "  code: tau 1.500, tree@64 2.250 (2 prompts)" in lines
+    assert "  gap between the best and the worst domain: 2.500" in lines
+    assert result.summary_line().endswith("; code 1.50, prose 4.00")
+    assert EvalResult.pooled(per_prompt, BLOCK).by_domain() == {}
+
+
+def test_eval_takes_the_first_prompts_of_each_domain(tmp_path, tiny_tokenizer):
+    assert first_per_domain(["code", "code", "prose", "code", "math", "prose"], 2) == [0, 1, 2, 4, 5]
+    assert first_per_domain(["", "", ""], 2) == [0, 1]  # no domains: the limit counts in all
+    path = tmp_path / "heldout.jsonl"
+    records = [
+        {"messages": [{"role": "user", "content": f"Continue: item {i}"}], "domain": domain}
+        for i, domain in enumerate(["code", "code", "code", "prose", "math", "prose", "prose"])
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    prompts = prompts_from_file(path, tiny_tokenizer, limit=2)
+    assert prompts.domains == ["code", "code", "prose", "math", "prose"]
+    assert "item 3" in tiny_tokenizer.decode(prompts.ids[2]) and "item 5" in tiny_tokenizer.decode(
+        prompts.ids[4]
+    )
+
+
+def test_status_shows_the_latest_held_out_tau_per_domain():
+    from app.telemetry.status_report import _progress_line
+
+    per_prompt = [
+        GenerationResult(ANSWER[:7], [2, 2, 2], "replay"),
+        GenerationResult(ANSWER[:5], [4], "replay"),
+    ]
+    tree = TreeResult(64, 8, BLOCK, [[3, 3], [4]])
+    summary = EvalResult.pooled(per_prompt, BLOCK, [tree], ["code", "prose"]).summary()
+    line = _progress_line({"progress": {"step": 40}, "eval": {"step": 40, **summary}})
+    assert line.endswith("(step 40); per domain: code 2.00 (tree 3.00), prose 4.00 (tree 4.00)")
+
+
+def test_the_json_report_holds_every_budget_depth_and_domain():
+    per_prompt = [
+        GenerationResult(ANSWER[:7], [2, 2, 2], "replay"),
+        GenerationResult(ANSWER[:5], [4], "replay"),
+    ]
+    trees = [TreeResult(16, 8, BLOCK, [[3, 3], [4]]), TreeResult(64, 8, BLOCK, [[6], [4]])]
+    ranks = [[[0, -1, -1, -1]] * 3, [[0, 0, 0, -2]]]
+    report = EvalResult.pooled(per_prompt, BLOCK, trees, ["code", "prose"], ranks).report()
+    assert (
+        report["tau"] == 2.5 and report["trees"]["64"]["tau"] == 5.0 and report["trees"]["16"]["rounds"] == 3
+    )
+    assert report["per_depth"]["top1"] == [1.0, 0.25, 0.25, 0.0]
+    assert report["domains"]["prose"]["tau"] == 4.0 and "domains" not in report["domains"]["prose"]
+    assert (
+        report["domains"]["prose"]["per_depth"]["top1"][3] is None
+    )  # no round reached depth 4: null, not NaN
+    assert json.loads(json.dumps(report, allow_nan=False)) == report
