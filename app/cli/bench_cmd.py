@@ -1,4 +1,4 @@
-"""`dflash bench drafter|target|tree|pipeline|checkpoint|data|windows`: benchmarks at a run config's exact shapes, their
+"""`dflash bench drafter|target|tree|pipeline|checkpoint|data|quality|windows`: benchmarks at a run config's exact shapes, their
 data, and a finished run judged per log window."""
 
 from __future__ import annotations
@@ -165,6 +165,52 @@ def data(
 
     tokenizer_dir, data_file = write_benchmark_data(Path(out_dir), conversations, mean_words)
     print(f"target.tokenizer={tokenizer_dir} data.train_files=['{data_file}']")
+
+
+@group.command("quality")
+def quality(
+    config: Annotated[str, typer.Argument(help="Config file (e.g. configs/smollm2-quality.toml).")],
+    overrides: Overrides = None,
+    workdir: Annotated[
+        str, typer.Option("--workdir", help="Prompts, data, runs and the report; a rerun resumes here.")
+    ] = "runs/quality",
+    seeds: Annotated[str, typer.Option("--seeds", help="Training seeds, comma-separated.")] = "0,1,2",
+    prompts: Annotated[
+        int, typer.Option("--prompts", min=1000, help="Prompts in the corpus, both splits.")
+    ] = 50000,
+    eval_prompts: Annotated[
+        int, typer.Option("--eval-prompts", min=1, help="Held-out prompts per domain.")
+    ] = 40,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", min=1, help="Tokens per held-out answer.")
+    ] = 256,
+    budgets: Annotated[
+        str, typer.Option("--tree-budget", help="DDTree node budgets, comma-separated.")
+    ] = "16,64,256",
+    out: Annotated[
+        str | None, typer.Option("--out", help="The report as JSON (default WORKDIR/quality.json).")
+    ] = None,
+) -> None:
+    """Train drafters with the config's recipe on its (real) target and measure held-out acceptance per
+    domain: prompts, the target's own answers, one run per seed, chain and DDTree tau with 95% intervals."""
+    from pathlib import Path
+
+    from app.bench.quality import QualityPlan, format_table, run_quality, write_report
+
+    plan = QualityPlan(
+        config_file=config,
+        overrides=overrides or [],
+        workdir=Path(workdir),
+        seeds=int_list(seeds, "--seeds", 0),
+        prompt_count=prompts,
+        eval_prompts=eval_prompts,
+        max_new_tokens=max_new_tokens,
+        budgets=int_list(budgets, "--tree-budget", 1),
+    )
+    report = run_quality(plan, log=lambda line: print(line, flush=True))
+    for line in format_table(report):
+        print(line, flush=True)
+    write_report(report, Path(out) if out else plan.workdir / "quality.json")
 
 
 @group.command("windows")

