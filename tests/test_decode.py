@@ -5,6 +5,7 @@ hybrid targets take `generate` and give the same."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app.errors import UserError
 from app.model.decode import BatchDecoder, DecodeShape, GenerateDecoder, batch_decoder
@@ -72,3 +73,36 @@ def test_calls_outside_the_shape_are_one_line_errors(target):
         decoder.decode([list(range(9))])
     with pytest.raises(UserError, match=r"prompts must have 1 to 8 tokens"):
         decoder.decode([[]])
+
+
+def test_a_decode_step_reads_each_kv_head_once_with_sdpa_s_result(target, monkeypatch):
+    """The decode's attention (`packed_decode_attention`): query heads grouped by their KV head, no
+    copy of the cache per query head; equal to transformers' SDPA, used by every decode step, and the
+    target's own implementation back once the call returns."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from app.model import decode
+
+    module = target.model.get_decoder().layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (
+        torch.randn(3, heads, length, 16, generator=generator) for heads, length in ((4, 1), (2, 9), (2, 9))
+    )
+    mask = torch.rand(3, 1, 1, 9, generator=generator) > 0.3
+    mask[:, :, :, 0] = True
+    packed, _ = decode.packed_decode_attention(module, query, key, value, mask, scaling=0.25)
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(packed, reference)
+
+    calls = []
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return decode.sdpa_attention_forward(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "packed_decode_attention", counted)
+    decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=8, max_new_tokens=3), [])
+    decoder.decode([[5, 6, 7], [8]])
+    layers = target.text_config.num_hidden_layers
+    assert calls.count(1) == 2 * layers and calls.count(3) == layers  # two decode steps, one prefill
+    assert target.model.config._attn_implementation == "sdpa"

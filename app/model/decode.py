@@ -21,17 +21,23 @@ sliding windows) cannot take this one mask over a static cache: they decode thro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+import contextlib
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, StaticCache
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from app.errors import UserError
 
 STOP_CHECK_EVERY = 16
 """Decode steps between the host's checks that every row has finished (one tiny device read)."""
+
+PACKED_ATTENTION = "dflash_packed_decode"
+"""The attention implementation a decode call runs the target with (`packed_decode_attention`)."""
 
 DecodeStep = Callable[..., torch.Tensor]
 """`(tokens [R, 1], first_key [R], write_index [], noise [R, V] | None) -> next tokens [R]`."""
@@ -91,6 +97,10 @@ class BatchDecoder:
             raise UserError(
                 f"decode: prompts must have 1 to {self.shape.max_prompt_tokens} tokens, got up to {longest}"
             )
+        with packed_attention(self.model):
+            return self._decode(rows, count, longest, seed)
+
+    def _decode(self, rows: list[list[int]], count: int, longest: int, seed: int) -> list[list[int]]:
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
         self.cache.reset()
         first_key = torch.tensor([longest - len(r) for r in rows], device=self.model.device)
@@ -196,6 +206,46 @@ class GenerateDecoder:
             pad_token_id=self.pad_token_id,
         )
         return [cut_at_stop(row, self.stop_ids) for row in output[:, longest:].tolist()]
+
+
+@contextlib.contextmanager
+def packed_attention(model: PreTrainedModel) -> Iterator[None]:
+    """The target's attention runs `packed_decode_attention` inside, its own implementation after."""
+    AttentionInterface.register(PACKED_ATTENTION, packed_decode_attention)
+    text = model.config.get_text_config()
+    configs = [model.config] if text is model.config else [model.config, text]
+    before = [config._attn_implementation for config in configs]
+    for config in configs:
+        config._attn_implementation = PACKED_ATTENTION
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, before, strict=True):
+            config._attn_implementation = implementation
+
+
+def packed_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """A decode step's attention with grouped query heads read against each KV head as if they were
+    that head's queries (`[rows, heads, 1, d] -> [rows, kv heads, heads / kv heads, d]`), so the cache
+    is read once per KV head. transformers' SDPA path repeats the KV heads to the query heads first
+    when compiled: a copy of the whole cache per layer and step, most of the step's time at 512 rows
+    over 1024 slots on an H200 (BENCHMARKS.md, 2026-12-03). A prefill (several queries) is SDPA's."""
+    rows, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    if length != 1 or kv_heads == heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
 
 
 def batch_decoder(
