@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from app.config.schema import RunConfig
 from app.datagen.progress import DatagenProgress
 from app.datagen.prompts import PromptRecord, load_prompts
-from app.datagen.runner import STOP_SIGNALS, DatagenReport, show_skipped
+from app.datagen.runner import STOP_SIGNALS, DatagenReport, reject_entry, show_skipped
 from app.datagen.store import ShardStore
 from app.errors import UserError
 
@@ -220,12 +220,7 @@ class _LocalRun:
 
     def _fail(self, record: PromptRecord, reason: str) -> None:
         self.report.failed += 1
-        self.rejects[record.id] = {
-            "id": record.id,
-            "source": record.source,
-            "reason": reason,
-            "model": self.report.model,
-        }
+        self.rejects[record.id] = reject_entry(record, reason, self.report.model)
 
     def _seed(self, first: PromptRecord) -> int:
         digest = hashlib.sha256(f"{self.datagen.seed or 0}:{first.id}".encode()).digest()

@@ -143,6 +143,17 @@ def run_datagen(config: DatagenConfig, console: Console | None = None) -> Datage
         store.close()
 
 
+def reject_entry(record: PromptRecord, reason: str, model: str | None) -> dict[str, Any]:
+    """A failed record's line in the rejects file: where it came from, why, with what model, when."""
+    return {
+        "id": record.id,
+        "source": record.source,
+        "reason": reason,
+        "model": model,
+        "time": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
 def show_skipped(console: Console, prompts: PromptSet) -> None:
     skipped: list[Skipped] = prompts.malformed + prompts.duplicates
     if not skipped:
@@ -355,13 +366,7 @@ class _Run:
 
     def _fail(self, record: PromptRecord, reason: str) -> None:
         self.report.failed += 1
-        self.rejects[record.id] = {
-            "id": record.id,
-            "source": record.source,
-            "reason": reason,
-            "model": self.model,
-            "time": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
+        self.rejects[record.id] = reject_entry(record, reason, self.model)
 
     def _flush(self, force: bool) -> None:
         """Commit full shards; with `force` or after flush_interval_s, also the partial one and the rejects."""
