@@ -1,4 +1,5 @@
-"""HF DFlash export: reference layout and config, exact round trips, refusals, atomic writes, the CLI."""
+"""HF DFlash export: reference layout and config, the fields each serving engine release reads, the mask
+token's string, exact round trips, refusals, atomic writes, the CLI."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, Qwen3Config
+from tokenizers import Tokenizer, models
+from transformers import AutoConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from app.checkpoint.store import save_checkpoint
 from app.config import validate_config
 from app.errors import UserError
 from app.export import export_drafter, load_exported, load_trained_drafter
+from app.export.mask_token import mask_token_string
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import target_text_config
 from tests.helpers import (
@@ -31,6 +34,7 @@ from tests.helpers import (
 )
 
 VOCAB, HIDDEN, LAYERS, BLOCK, MASK = SMALL_VOCAB, SMALL_HIDDEN, SMALL_TARGET_LAYERS, SMALL_BLOCK, SMALL_MASK
+MASK_TOKEN = "</tool_call>"  # id 7 (MASK) of the tiny tokenizer (app/model/tiny_tokenizer.py)
 
 
 def build(seed: int = 0, **drafter):
@@ -57,9 +61,9 @@ def draft_logits(drafter: DFlashDrafter) -> torch.Tensor:
     return drafter.draft_logits(cache, 42, 12, embed_tokens, lm_head)
 
 
-def test_weights_carry_exactly_the_reference_names_and_no_embedding(tmp_path: Path) -> None:
+def test_weights_carry_exactly_the_reference_names_and_no_embedding(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build()
-    out = export_drafter(drafter, tmp_path / "export", target)
+    out = export_drafter(drafter, tmp_path / "export", target, tokenizer=tiny_tokenizer)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     expected |= {f"layers.{i}.{name}" for i in range(2) for name in REFERENCE_LAYER_WEIGHTS}
@@ -72,13 +76,13 @@ def test_weights_carry_exactly_the_reference_names_and_no_embedding(tmp_path: Pa
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
-def test_an_export_is_readable_as_the_umask_allows(tmp_path: Path, umask: int) -> None:
+def test_an_export_is_readable_as_the_umask_allows(tiny_tokenizer, tmp_path: Path, umask: int) -> None:
     """A serving container runs as another user: the export gets a plain mkdir's and open's modes,
     not the private 0700/0600 of the temp directory it was staged in."""
     drafter, target = build()
     previous = os.umask(umask)
     try:
-        out = export_drafter(drafter, tmp_path / "export", target)
+        out = export_drafter(drafter, tmp_path / "export", target, tokenizer=tiny_tokenizer)
     finally:
         os.umask(previous)
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
@@ -86,12 +90,20 @@ def test_an_export_is_readable_as_the_umask_allows(tmp_path: Path, umask: int) -
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o666 & ~umask, name
 
 
-def test_config_states_every_field_the_serving_engines_read(tmp_path: Path) -> None:
+def test_config_states_every_field_the_serving_engines_read(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build()
-    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32")
+    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32", tokenizer=tiny_tokenizer)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 5], "block_size": BLOCK}
+    assert config["dflash_config"] == {
+        "mask_token_id": MASK,
+        "mask_token": MASK_TOKEN,
+        "target_layer_ids": [1, 5],
+        "block_size": BLOCK,
+    }
+    assert tiny_tokenizer.convert_tokens_to_ids(config["dflash_config"]["mask_token"]) == MASK
+    # vLLM's capture index L is the stream entering layer L: the tapped layers' outputs are id + 1.
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 6]
     expected = {
         "hidden_size": HIDDEN,
         "target_hidden_size": HIDDEN,
@@ -120,18 +132,19 @@ def test_config_states_every_field_the_serving_engines_read(tmp_path: Path) -> N
     assert parsed.dflash_config["target_layer_ids"] == [1, 5] and parsed.num_target_layers == LAYERS
 
 
-def test_fp32_round_trip_is_exact(tmp_path: Path) -> None:
+def test_fp32_round_trip_is_exact(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build(seed=3)
-    loaded = load_exported(export_drafter(drafter, tmp_path / "export", target, dtype="fp32"))
+    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32", tokenizer=tiny_tokenizer)
+    loaded = load_exported(out)
     assert loaded.arch == drafter.arch
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert torch.equal(draft_logits(loaded), draft_logits(drafter))
 
 
-def test_bf16_round_trip_is_within_rounding(tmp_path: Path) -> None:
+def test_bf16_round_trip_is_within_rounding(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build(seed=3)
-    out = export_drafter(drafter, tmp_path / "export", target)
+    out = export_drafter(drafter, tmp_path / "export", target, tokenizer=tiny_tokenizer)
     assert load_exported(out).fc.weight.dtype == torch.bfloat16
     loaded = load_exported(out, dtype=torch.float32)
     reference = draft_logits(drafter)
@@ -141,51 +154,53 @@ def test_bf16_round_trip_is_within_rounding(tmp_path: Path) -> None:
     assert torch.equal(draft_logits(loaded).argmax(-1), reference.argmax(-1))
 
 
-def test_sliding_window_layers_round_trip_as_layer_types(tmp_path: Path) -> None:
+def test_sliding_window_layers_round_trip_as_layer_types(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build(sliding_window=12, sliding_window_layers=[1])
-    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32")
+    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32", tokenizer=tiny_tokenizer)
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["full_attention", "sliding_attention"] and config["sliding_window"] == 12
     assert config["use_sliding_window"] is True
     assert load_exported(out).arch == drafter.arch
 
 
-def test_export_refuses_a_drafter_that_does_not_fit_the_target(tmp_path: Path) -> None:
+def test_export_refuses_a_drafter_that_does_not_fit_the_target(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build()
     small_vocab = Qwen3Config(**{**target.to_dict(), "vocab_size": MASK})
     with pytest.raises(UserError, match="mask_token_id 7 is not a row of the target embedding"):
-        export_drafter(drafter, tmp_path / "a", small_vocab)
+        export_drafter(drafter, tmp_path / "a", small_vocab, tokenizer=tiny_tokenizer)
     shallow = Qwen3Config(**{**target.to_dict(), "num_hidden_layers": 4, "layer_types": None})
     with pytest.raises(UserError, match=r"target_layer_ids \[5\] are out of range for the 4-layer target"):
-        export_drafter(drafter, tmp_path / "b", shallow)
+        export_drafter(drafter, tmp_path / "b", shallow, tokenizer=tiny_tokenizer)
     with torch.no_grad():
         drafter.layers[1].mlp.up_proj.weight[0, 0] = float("nan")
     with pytest.raises(UserError, match=r"layers\.1\.mlp\.up_proj\.weight.*NaN"):
-        export_drafter(drafter, tmp_path / "c", target)
+        export_drafter(drafter, tmp_path / "c", target, tokenizer=tiny_tokenizer)
     assert not any(tmp_path.iterdir())  # nothing half-written
 
 
-def test_export_replaces_an_earlier_export_atomically_and_protects_other_directories(tmp_path: Path) -> None:
+def test_export_replaces_an_earlier_export_atomically_and_protects_other_directories(
+    tiny_tokenizer, tmp_path: Path
+) -> None:
     first, target = build(seed=1)
     second, _ = build(seed=2)
     out = tmp_path / "export"
-    export_drafter(first, out, target, dtype="fp32")
-    export_drafter(second, out, target, dtype="fp32")
+    export_drafter(first, out, target, dtype="fp32", tokenizer=tiny_tokenizer)
+    export_drafter(second, out, target, dtype="fp32", tokenizer=tiny_tokenizer)
     assert torch.equal(load_exported(out).fc.weight, second.fc.weight)
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no staging or set-aside directory left
     precious = tmp_path / "notes"
     precious.mkdir()
     (precious / "todo.txt").write_text("keep me")
     with pytest.raises(UserError, match="not a DFlash export; refusing to replace it"):
-        export_drafter(first, precious, target)
+        export_drafter(first, precious, target, tokenizer=tiny_tokenizer)
     assert (precious / "todo.txt").read_text() == "keep me"
 
 
-def test_load_exported_names_what_is_wrong(tmp_path: Path) -> None:
+def test_load_exported_names_what_is_wrong(tiny_tokenizer, tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"not a DFlash export \(missing config.json\)"):
         load_exported(tmp_path)
     drafter, target = build()
-    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32")
+    out = export_drafter(drafter, tmp_path / "export", target, dtype="fp32", tokenizer=tiny_tokenizer)
     config = json.loads((out / "config.json").read_text())
     del config["dflash_config"]
     (out / "config.json").write_text(json.dumps(config))
@@ -193,10 +208,14 @@ def test_load_exported_names_what_is_wrong(tmp_path: Path) -> None:
         load_exported(out)
 
 
-def make_run_dir(root: Path, drafter: DFlashDrafter, step: int = 7) -> Path:
-    """A run directory as the trainer leaves it: the resolved config as JSON and one checkpoint."""
+def make_run_dir(root: Path, drafter: DFlashDrafter, tokenizer_dir: Path | None, step: int = 7) -> Path:
+    """A run directory as the trainer leaves it: the resolved config as JSON and one checkpoint; the
+    random-weight target names `tokenizer_dir` as its tokenizer (None: no tokenizer)."""
     run_dir = root / "run"
-    config = validate_config(small_drafter_raw_config())
+    raw = small_drafter_raw_config()
+    if tokenizer_dir is not None:
+        raw["target"]["tokenizer"] = str(tokenizer_dir)
+    config = validate_config(raw)
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json")))
     save_checkpoint(run_dir, step, drafter.state_dict(), {}, {"cpu": torch.get_rng_state()}, {}, keep_last=2)
@@ -205,7 +224,7 @@ def make_run_dir(root: Path, drafter: DFlashDrafter, step: int = 7) -> Path:
 
 def test_trained_drafter_loads_from_a_run_or_a_checkpoint_directory(tmp_path: Path) -> None:
     drafter, _ = build(seed=5)
-    run_dir = make_run_dir(tmp_path, drafter)
+    run_dir = make_run_dir(tmp_path, drafter, None)
     from_run = load_trained_drafter(run_dir)
     from_checkpoint = load_trained_drafter(run_dir / "checkpoints" / "step_00000007")
     for trained in (from_run, from_checkpoint):
@@ -227,13 +246,14 @@ def test_trained_drafter_loads_from_a_run_or_a_checkpoint_directory(tmp_path: Pa
         load_trained_drafter(run_dir).build()
 
 
-def test_export_cli_writes_a_loadable_export(tmp_path: Path) -> None:
+def test_export_cli_writes_a_loadable_export(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
     drafter, _ = build(seed=9)
-    run_dir = make_run_dir(tmp_path, drafter, step=12)
+    run_dir = make_run_dir(tmp_path, drafter, tiny_tokenizer_dir, step=12)
     out = tmp_path / "exported"
     done = run_dflash("export", str(run_dir), "--out", str(out), "--dtype", "fp32")
     assert done.returncode == 0, done.stderr
     assert "exported step 12" in done.stdout and "target_layer_ids [1, 5]" in done.stdout
+    assert f"mask_token_id {MASK} ({MASK_TOKEN!r})" in done.stdout
     assert torch.equal(draft_logits(load_exported(out)), draft_logits(drafter))
     block = drafter.arch.block_size
     assert (
@@ -244,7 +264,9 @@ def test_export_cli_writes_a_loadable_export(tmp_path: Path) -> None:
         f'"model": "{out}", "num_speculative_tokens": {block - 1}' in done.stdout
     )  # vLLM: the block minus its anchor
     config = json.loads((out / "config.json").read_text())
-    assert config["eagle_aux_hidden_state_layer_ids"] == config["dflash_config"]["target_layer_ids"] == [1, 5]
+    assert config["dflash_config"]["mask_token"] == MASK_TOKEN
+    assert config["dflash_config"]["target_layer_ids"] == [1, 5]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 6]
 
 
 def test_export_cli_refuses_a_bad_source_in_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -262,3 +284,131 @@ def test_export_cli_refuses_a_bad_source_in_one_line(tmp_path: Path, monkeypatch
         and "expected a run directory" in error
         and len(error.splitlines()) == 1
     )
+
+
+# What each engine release reads from config.json that the export must state: without it the engine
+# refuses the drafter or substitutes a default that is not the trained one (Qwen3Config's head_dim 128,
+# RoPE base 1e6, block size 16, its own layer-id rule, the string `<|MASK|>`). Read from the published
+# packages' source; docs/guide.md section 7 has the table. A version bump adds a list beside these.
+SGLANG_0_5_11_REQUIRES = [
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+    "num_target_layers", "block_size", "dflash_config.block_size", "dflash_config.mask_token",
+    "dflash_config.mask_token_id", "dflash_config.target_layer_ids",
+]  # fmt: skip
+SGLANG_0_5_19_REQUIRES = [
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "max_position_embeddings", "num_target_layers", "block_size", "dflash_config.block_size",
+    "dflash_config.mask_token", "dflash_config.mask_token_id", "dflash_config.target_layer_ids",
+    "layer_types", "sliding_window",
+]  # fmt: skip
+SGLANG_0_5_23_REQUIRES = [
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "max_position_embeddings", "num_target_layers", "block_size", "dflash_config.block_size",
+    "dflash_config.mask_token", "dflash_config.mask_token_id", "dflash_config.target_layer_ids",
+    "layer_types", "sliding_window",
+]  # fmt: skip
+VLLM_0_20_0_REQUIRES = [
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "max_position_embeddings", "vocab_size", "target_hidden_size", "dflash_config.mask_token_id",
+    "dflash_config.target_layer_ids", "eagle_aux_hidden_state_layer_ids",
+]  # fmt: skip
+VLLM_0_34_0_REQUIRES = [
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
+    "max_position_embeddings", "vocab_size", "target_hidden_size", "dflash_config.mask_token_id",
+    "dflash_config.target_layer_ids", "eagle_aux_hidden_state_layer_ids", "layer_types", "sliding_window",
+]  # fmt: skip
+ENGINE_REQUIRES = {
+    "sglang-0.5.11": SGLANG_0_5_11_REQUIRES,
+    "sglang-0.5.19": SGLANG_0_5_19_REQUIRES,
+    "sglang-0.5.23": SGLANG_0_5_23_REQUIRES,
+    "vllm-0.20.0": VLLM_0_20_0_REQUIRES,
+    "vllm-0.34.0": VLLM_0_34_0_REQUIRES,
+}
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_REQUIRES))
+def test_export_states_every_field_the_engine_release_requires(
+    engine: str, tiny_tokenizer, tmp_path: Path
+) -> None:
+    """A sliding layer makes `sliding_window` one of them (an engine refuses sliding layers without it)."""
+    drafter, target = build(sliding_window=12, sliding_window_layers=[1])
+    out = export_drafter(drafter, tmp_path / "export", target, tokenizer=tiny_tokenizer)
+    config = json.loads((out / "config.json").read_text())
+
+    def field(path: str) -> object:
+        value: object = config
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    assert len(set(ENGINE_REQUIRES[engine])) == len(ENGINE_REQUIRES[engine])
+    assert [path for path in ENGINE_REQUIRES[engine] if field(path) is None] == []
+
+
+def word_tokenizer(size: int, *special: str) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer of `size` tokens (`w0`, `w1`, ...), then `special` ones after them."""
+    model = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w0"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="w0")
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
+    return tokenizer
+
+
+class SharedSpelling:
+    """A tokenizer whose id 7 spells the token of id 2: the string reads back as another id."""
+
+    name_or_path = "shared-spelling"
+
+    def __len__(self) -> int:
+        return 10
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return "w2" if token_id == 7 else f"w{token_id}"
+
+    def convert_tokens_to_ids(self, token: str) -> int:
+        return int(token[1:])
+
+
+def test_mask_token_is_the_ids_token_or_the_one_engines_add_at_the_next_free_id(tiny_tokenizer) -> None:
+    assert (
+        mask_token_string(tiny_tokenizer, 3) == "<|mask|>"
+        and mask_token_string(tiny_tokenizer, 7) == MASK_TOKEN
+    )
+    # An id one past the tokenizer's last (Qwen3's 151669) is where SGLang's added `<|MASK|>` lands.
+    assert mask_token_string(word_tokenizer(7), 7) == "<|MASK|>"
+    with pytest.raises(
+        UserError, match=r"mask_token_id 7 is no token of the target's tokenizer \(5 tokens\)"
+    ):
+        mask_token_string(word_tokenizer(5), 7)
+    with pytest.raises(UserError, match=r"next free id .* but '<\|MASK\|>' is already its id 6"):
+        mask_token_string(word_tokenizer(6, "<|MASK|>"), 7)
+    with pytest.raises(UserError, match=r"mask_token_id 7 is 'w2' .* reads back as id 2"):
+        mask_token_string(SharedSpelling(), 7)  # type: ignore[arg-type]
+
+
+def test_export_without_the_targets_tokenizer_is_refused_before_writing(
+    tiny_tokenizer_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """No config without `dflash_config.mask_token`: the export names what is missing, in one line."""
+    drafter, target = build()
+    with pytest.raises(UserError, match=r"needs the target's tokenizer: pass tokenizer="):
+        export_drafter(drafter, tmp_path / "a", target)  # a random-weight target: no directory
+    target.name_or_path = str(tiny_tokenizer_dir)  # a target loaded from a directory (the demo's)
+    config = json.loads((export_drafter(drafter, tmp_path / "b", target) / "config.json").read_text())
+    assert config["dflash_config"]["mask_token"] == MASK_TOKEN
+
+    from app.cli import main
+
+    run_dir = make_run_dir(tmp_path, drafter, None)
+    monkeypatch.setattr(sys, "argv", ["dflash", "export", str(run_dir), "--out", str(tmp_path / "c")])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    error = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(error.splitlines()) == 1, error
+    assert "dflash_config.mask_token needs the target's tokenizer: target.tokenizer: required" in error
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["b", "run"]  # a, c never written

@@ -1,18 +1,27 @@
 """The Hugging Face DFlash draft-model directory that SGLang (`--speculative-algorithm DFLASH`) and
 vLLM (`method: dflash`) load: `config.json` + `model.safetensors`, drafter weights only.
 
-What the loaders read, checked against SGLang's `dflash_utils`/`models/dflash.py`, vLLM's
-`qwen3_dflash.py` and the z-lab reference (`DFlashDraftModel`):
+What the loaders read, checked against the published source of SGLang 0.5.11, 0.5.19 and 0.5.23
+(`speculative/dflash_utils.py`, `models/dflash.py`) and vLLM 0.20.0 and 0.34.0
+(`models/qwen3_dflash.py`, the aux-layer and mask-token lookups); docs/guide.md section 7 has the table:
 
 - `architectures: ["DFlashDraftModel"]` with `model_type: "qwen3"`: the draft config is parsed as a
   Qwen3 config, so every Qwen3 field the layers need is written (sizes, heads, head_dim, eps,
   RoPE base both as `rope_theta` and transformers 5's `rope_parameters`, `hidden_act: silu`).
-- `dflash_config: {mask_token_id, target_layer_ids, block_size}`: written explicitly. Without
-  them the engines fall back to guesses (a default mask token string, layer ids spread by their
-  own rule, block size 16) and silently lose acceptance. `block_size` and `num_target_layers` are
-  also top-level (older loaders read them there). `target_hidden_size` sizes vLLM's `fc`.
+- `dflash_config: {mask_token_id, mask_token, target_layer_ids, block_size}`: written explicitly.
+  Without them the engines fall back to guesses (the string `<|MASK|>`, layer ids spread by their own
+  rule, block size 16) and silently lose acceptance. `mask_token` is the id's string in the target's
+  tokenizer (`mask_token.py` says why SGLang needs it). `block_size` and `num_target_layers` are also
+  top-level (SGLang 0.5.11 checks the layer ids against `num_target_layers`, without it against
+  the drafter's own depth, and refuses). `target_hidden_size` sizes vLLM's `fc`.
+- `eagle_aux_hidden_state_layer_ids`: vLLM reads this key before `dflash_config` and uses it as its
+  capture index, the residual stream *entering* layer L, so it holds `target_layer_ids + 1` (the
+  outputs of the tapped layers). vLLM 0.20.0 read `dflash_config.target_layer_ids` as that
+  index (one layer early; 0.34.0 adds the 1): with the key, both tap the layers the drafter was
+  trained on.
 - `layer_types` (+ `sliding_window`): full-attention draft layers are bidirectional inside the
-  block, sliding ones causal; the engines derive that from these two fields.
+  block, sliding ones causal; SGLang (from 0.5.19 of those read) and vLLM 0.34.0 derive that from
+  these two fields, SGLang 0.5.11 and vLLM 0.20.0 ignore them and run every layer bidirectional.
 - weights: `fc.weight`, `hidden_norm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`,
   `layers.N.self_attn.{q,k}_norm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
   `layers.N.{input,post_attention}_layernorm.weight`, `norm.weight`. No embedding, no LM head:
@@ -24,7 +33,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from safetensors import SafetensorError
@@ -33,7 +42,11 @@ from transformers import PretrainedConfig
 
 from app.atomic import fsync_tree, replace_directory, staging_directory
 from app.errors import UserError
+from app.export.mask_token import mask_token_string, tokenizer_beside
 from app.model.drafter import DFlashDrafter, DrafterArch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ExportDtype = Literal["bf16", "fp32"]
 EXPORT_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -45,8 +58,11 @@ DEFAULT_MAX_POSITIONS = 32768
 """`max_position_embeddings` when the target's config has none (engines size RoPE tables with it)."""
 
 
-def export_config(arch: DrafterArch, target: PretrainedConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The draft model's `config.json` content."""
+def export_config(
+    arch: DrafterArch, target: PretrainedConfig, dtype: torch.dtype, mask_token: str
+) -> dict[str, Any]:
+    """The draft model's `config.json` content; `mask_token` is `arch.mask_token_id`'s string in the
+    target's tokenizer (`mask_token_string`)."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
@@ -81,11 +97,13 @@ def export_config(arch: DrafterArch, target: PretrainedConfig, dtype: torch.dtyp
         "num_target_layers": arch.num_target_layers,
         "dflash_config": {
             "mask_token_id": arch.mask_token_id,
+            "mask_token": mask_token,
             "target_layer_ids": list(arch.target_layer_ids),
             "block_size": arch.block_size,
         },
-        # Older vLLM builds read the tapped layers from the EAGLE-3 key, not from dflash_config.
-        "eagle_aux_hidden_state_layer_ids": list(arch.target_layer_ids),
+        # vLLM's capture index (the stream entering layer L, read before dflash_config): the tapped
+        # layers' outputs are L = id + 1. vLLM 0.20.0 took dflash_config's ids as L, one layer early.
+        "eagle_aux_hidden_state_layer_ids": [layer + 1 for layer in arch.target_layer_ids],
     }
 
 
@@ -103,17 +121,28 @@ def serving_commands(target: str, export_dir: Path, block_size: int) -> list[str
 
 
 def export_drafter(
-    drafter: DFlashDrafter, out_dir: str | Path, target: PretrainedConfig, dtype: ExportDtype = "bf16"
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    target: PretrainedConfig,
+    dtype: ExportDtype = "bf16",
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Path:
     """Write the drafter as an HF DFlash directory at `out_dir`, atomically; returns `out_dir`.
 
-    `target` is the target's (text) config: the export refuses a drafter that does not fit it. An
-    existing earlier export at `out_dir` is replaced; any other non-empty directory is refused.
+    `target` is the target's (text) config: the export refuses a drafter that does not fit it.
+    `tokenizer` is the target's, which names the mask token (`dflash_config.mask_token`); None loads
+    the one beside the target's config (`name_or_path`, set when the target was loaded from a
+    directory) and refuses where there is none. An existing earlier export at `out_dir` is replaced;
+    any other non-empty directory is refused.
     """
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"export: dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
     torch_dtype = EXPORT_DTYPES[dtype]
     check_fits_target(drafter.arch, target.get_text_config())
+    if tokenizer is None:  # not `or`: a tokenizer has a length, and an empty one is falsy
+        tokenizer = tokenizer_beside(target)
+    mask_token = mask_token_string(tokenizer, drafter.arch.mask_token_id)
     weights = {
         name: tensor.detach().to("cpu", torch_dtype).contiguous()
         for name, tensor in drafter.state_dict().items()
@@ -129,7 +158,7 @@ def export_drafter(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_directory(out_dir)
     try:
-        config = export_config(drafter.arch, target.get_text_config(), torch_dtype)
+        config = export_config(drafter.arch, target.get_text_config(), torch_dtype, mask_token)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, staging / WEIGHTS_FILE, metadata={"format": "pt"})
         fsync_tree(staging)

@@ -1,16 +1,25 @@
 """A trained drafter, from a run directory (its latest good checkpoint) or one checkpoint, written as the
 HF DFlash directory the serving engines load, with the commands that serve the target with it: what
-`dflash export` prints and `app.api.export` returns. No target weights load: its config is enough.
+`dflash export` prints and `app.api.export` returns. No target weights load: its config and its
+tokenizer (which names the mask token, `dflash_config.mask_token`) are enough.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from app.export.hf_dflash import ExportDtype, export_drafter, serving_commands
+from app.errors import UserError
+from app.export.hf_dflash import CONFIG_FILE, ExportDtype, export_drafter, serving_commands
 from app.export.source import load_trained_drafter
 from app.model.target import target_text_config
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from app.config import RunConfig
 
 
 @dataclass
@@ -24,6 +33,8 @@ class TrainedExport:
     parameters: int
     block_size: int
     mask_token_id: int
+    mask_token: str
+    """The mask token's string in the target's tokenizer (`dflash_config.mask_token`)."""
     target_layer_ids: list[int]
     serving: list[str]
     """SGLang's and vLLM's command lines that serve the target with this drafter."""
@@ -32,7 +43,7 @@ class TrainedExport:
         return [
             f"exported step {self.step} ({self.checkpoint}) to {self.directory} as {self.dtype}: "
             f"{self.parameters / 1e6:.2f}M parameters, block_size {self.block_size}, "
-            f"mask_token_id {self.mask_token_id}, target_layer_ids {self.target_layer_ids}",
+            f"mask_token_id {self.mask_token_id} ({self.mask_token!r}), target_layer_ids {self.target_layer_ids}",
             "serve the target with this drafter:",
             *(f"  {line}" for line in self.serving),
         ]
@@ -43,7 +54,8 @@ def export_trained(source: str | Path, out: str | Path, dtype: ExportDtype = "bf
     trained = load_trained_drafter(source)
     target = target_text_config(trained.config.target)
     drafter = trained.build(target)
-    directory = export_drafter(drafter, out, target, dtype)
+    tokenizer = _target_tokenizer(trained.config)
+    directory = export_drafter(drafter, out, target, dtype, tokenizer=tokenizer)
     arch = drafter.arch
     served = (
         trained.config.target.path or "TARGET_MODEL_DIR"
@@ -56,6 +68,19 @@ def export_trained(source: str | Path, out: str | Path, dtype: ExportDtype = "bf
         parameters=sum(p.numel() for p in drafter.parameters()),
         block_size=arch.block_size,
         mask_token_id=arch.mask_token_id,
+        mask_token=json.loads((directory / CONFIG_FILE).read_text())["dflash_config"]["mask_token"],
         target_layer_ids=list(arch.target_layer_ids),
         serving=serving_commands(served, directory.resolve(), arch.block_size),
     )
+
+
+def _target_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
+    """The run's target tokenizer, as training loaded it (`target.tokenizer`, `target.path` or the
+    built-in target's directory). Without it the export cannot name the mask token, and a config
+    without `dflash_config.mask_token` is not written: the error names what is missing."""
+    from app.train.setup import load_tokenizer
+
+    try:
+        return load_tokenizer(config)
+    except UserError as error:
+        raise UserError(f"export: dflash_config.mask_token needs the target's tokenizer: {error}") from None
