@@ -299,3 +299,29 @@ def test_a_write_the_os_refuses_is_a_user_error_naming_the_checkpoint_kept(tmp_p
     assert sorted(path.name for path in root.iterdir()) == ["latest", "step_00000001"]
     assert (root / "latest").read_text() == "step_00000001"
     assert verify_checkpoint(root / "step_00000001") is None
+
+
+def test_a_resume_with_another_objective_is_refused_and_ce_runs_keep_their_signal(
+    tmp_path: Path, tiny_tokenizer
+) -> None:
+    """The objective defines what the drafter learns; a CE run's signal is the one checkpoints from
+    before the objectives saved (no objective field), so those still resume."""
+    from app.config import validate_config
+    from app.train.setup import training_signal
+
+    def signal_of(**train) -> dict:
+        raw = {
+            "target": {"builtin": "tiny-lm"},
+            "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 3},
+            "train": {"anchors": 8, **train},
+        }
+        return training_signal(validate_config(raw), [1], tiny_tokenizer)
+
+    ce = signal_of()
+    assert not any(key.startswith("train.objective") for key in ce)
+    tv = signal_of(objective="ce+tv", objective_weight=0.5)
+    check_training_signal(tv, signal_of(objective="ce+tv", objective_weight=0.5), tmp_path)
+    with pytest.raises(UserError, match=r"training signal train\.objective changed from 'ce\+tv' to None"):
+        check_training_signal(tv, ce, tmp_path)
+    with pytest.raises(UserError, match=r"train\.objective_weight changed from 0\.5 to 2\.0"):
+        check_training_signal(tv, signal_of(objective="ce+tv", objective_weight=2.0), tmp_path)

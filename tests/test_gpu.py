@@ -574,3 +574,25 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
         )
         assert answer == reference[0, len(prompt) :].tolist()
     assert all(torch.isfinite(layer.keys).all() for layer in decoder.cache.layers)
+
+
+@pytest.mark.parametrize("objective", ["ce", "ce+tv", "ce+acceptance"])
+def test_each_objective_through_the_triton_chunk_equals_the_cpu_path(objective) -> None:
+    """`drafter_loss` on CUDA (Triton CE chunk, flex attention; fp32) equals the CPU's, per objective."""
+    from app.data.batch import FeatureBatch
+    from app.model.objective import drafter_loss
+
+    arch = DrafterArch.from_config(validate_config(small_drafter_raw_config()))
+    row, features = synthetic_row(128, 16, SMALL_VOCAB, valid_anchors=13), torch.randn(128, arch.feature_size)
+    modules = [DFlashDrafter(arch), torch.nn.Embedding(SMALL_VOCAB, arch.hidden_size).requires_grad_(False),
+               torch.nn.Linear(arch.hidden_size, SMALL_VOCAB, bias=False).requires_grad_(False)]  # fmt: skip
+    results = []  # weight 1000 below: a random drafter's p(label) is ~1/V, its terms then weigh as the CE
+    for device in ("cpu", "cuda"):  # the CPU first: `.to` moves the modules themselves
+        drafter, embed_tokens, lm_head = (module.to(device) for module in modules)
+        if device == "cuda":
+            compile_drafter(drafter)
+        loss = drafter_loss(drafter, FeatureBatch(row.to(device), features.to(device)), embed_tokens, lm_head,
+            chunk_size=5, ce_chunk=drafter.kernels.ce_chunk, objective=objective, objective_weight=1e3).loss  # fmt: skip
+        results.append([loss, *torch.autograd.grad(loss, list(drafter.parameters()))])
+    for cpu, cuda in zip(*results, strict=True):
+        assert (cuda.cpu() - cpu).norm() <= 1e-3 * cpu.norm(), (objective, tuple(cpu.shape))

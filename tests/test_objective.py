@@ -12,13 +12,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from app.config import default_gamma, validate_config
+from app.config import ConfigError, default_gamma, validate_config
 from app.config.schema import TrainConfig
 from app.data.batch import FeatureBatch, TargetBatch
 from app.data.formats import Conversation
 from app.data.packing import anchor_candidates, pack_row
 from app.data.synthetic import synthetic_row
 from app.data.tokenize import ChatTokenizer
+from app.errors import UserError
+from app.model.acceptance import SlotObjective
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import (
     TreeSample,
@@ -29,7 +31,9 @@ from app.model.objective import (
     feature_noise_std,
     slot_weights,
     tree_streak,
+    weighted_ce_chunk,
 )
+from tests.helpers import dflash
 
 VOCAB, HIDDEN, BLOCK = 257, 32, 5
 
@@ -142,7 +146,8 @@ TRITON_CE_SCRIPT = """
 import sys, torch
 from torch import nn
 import app.model.ce_kernel as kernel
-from app.model.objective import chunked_lm_head_ce
+from app.model.acceptance import SlotObjective
+from app.model.objective import chunked_lm_head_ce, weighted_ce_chunk
 kernel.BLOCK = 64  # vocab 257: four whole loop iterations and a last one of a single logit
 generator = torch.Generator().manual_seed(0)
 logits = 4 * torch.randn(6, 257, generator=generator)
@@ -158,24 +163,48 @@ row_labels = torch.randint(0, 257, (7, 4), generator=generator)
 row_weights = torch.rand(7, 4, generator=generator)
 loss, predictions = chunked_lm_head_ce(hidden, lm_head, row_labels, row_weights, 3, kernel.triton_ce_chunk)
 loss.backward()
-torch.save({"logits": logits, "labels": labels, "weights": weights, "direct": direct, "lm_head": lm_head.weight,
-            "hidden": hidden.detach(), "row_labels": row_labels, "row_weights": row_weights, "loss": loss.detach(),
-            "predictions": predictions, "grad": hidden.grad}, sys.argv[1])
+grad = hidden.grad
+rows = {}  # each row's CE written by the kernel and by the CPU's chunk: (kernel, cpu)
+for dtype in (torch.float32, torch.bfloat16):
+    for name, each in (("weighted", weights), ("unit", torch.ones(6))):
+        pair = torch.full((6,), -1.0), torch.full((6,), -1.0)
+        kernel.triton_ce_chunk(logits.to(dtype, copy=True), labels, each, pair[0])
+        weighted_ce_chunk(logits.to(dtype, copy=True), labels, each, pair[1])
+        rows[f"{dtype}-{name}"] = pair
+supervised = torch.rand(7, 4, generator=generator) > 0.25
+objectives = {}  # the objectives through the kernel and through the CPU's chunk: (loss, d/d hidden)
+for objective in ("ce+tv", "ce+acceptance"):
+    for name, chunk in (("kernel", kernel.triton_ce_chunk), ("cpu", None)):
+        hidden.grad = None
+        terms = SlotObjective.build(objective, 0.7, supervised)
+        loss_, _ = chunked_lm_head_ce(hidden, lm_head, row_labels, row_weights * supervised, 3, chunk, terms)
+        loss_.backward()
+        objectives[f"{objective}-{name}"] = loss_.detach(), hidden.grad
+torch.save({"logits": logits, "labels": labels, "weights": weights, "direct": direct,
+            "lm_head": lm_head.weight, "hidden": hidden.detach(), "row_labels": row_labels,
+            "row_weights": row_weights, "loss": loss.detach(), "predictions": predictions, "grad": grad,
+            "rows": rows, "objectives": objectives}, sys.argv[1])
 """
 
 
-def test_the_cuda_ce_kernel_equals_cross_entropy_in_triton_s_interpreter(tmp_path):
-    """The loss's Triton kernel (CUDA's CE chunk), run by Triton's interpreter on the CPU: the weighted
-    CE sum, its gradient written over the logits and the first argmax equal cross_entropy's, for a
-    vocab that ends in a partial loop iteration, a tie, a zero weight; and the chunked loss over it
-    (the gradient read back from the spent logits) equals the full computation."""
-    out = tmp_path / "results.pt"
+@pytest.fixture(scope="module")
+def triton_interpreted(tmp_path_factory):
+    """TRITON_CE_SCRIPT's results: the CE kernel run by Triton's interpreter on the CPU (one process)."""
+    out = tmp_path_factory.mktemp("triton") / "results.pt"
     environment = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(
         [sys.executable, "-c", TRITON_CE_SCRIPT, str(out)], env=environment, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    got = torch.load(out)
+    return torch.load(out)
+
+
+def test_the_cuda_ce_kernel_equals_cross_entropy_in_triton_s_interpreter(triton_interpreted):
+    """The loss's Triton kernel (CUDA's CE chunk), run by Triton's interpreter on the CPU: the weighted
+    CE sum, its gradient written over the logits and the first argmax equal cross_entropy's, for a
+    vocab that ends in a partial loop iteration, a tie, a zero weight; and the chunked loss over it
+    (the gradient read back from the spent logits) equals the full computation."""
+    got = triton_interpreted
     logits, labels, weights = got["logits"], got["labels"], got["weights"]
     for dtype, (loss, grad, predictions) in got["direct"].items():
         reference = logits.to(dtype).float().detach().requires_grad_()
@@ -198,6 +227,24 @@ def test_the_cuda_ce_kernel_equals_cross_entropy_in_triton_s_interpreter(tmp_pat
     torch.testing.assert_close(got["loss"], expected)
     torch.testing.assert_close(got["grad"], hidden.grad)
     assert torch.equal(got["predictions"], expected_predictions)
+
+
+def test_the_cuda_ce_kernel_s_rows_and_objectives_equal_the_cpu_chunk_s(triton_interpreted):
+    """The kernel's per-row output (`row_ce`, what the acceptance objectives read) equals
+    `weighted_ce_chunk`'s, with weights and with unit weights (each row's CE), in both logits dtypes;
+    each objective's loss and hidden gradient through the kernel equal the CPU chunk's."""
+    got = triton_interpreted
+    assert len(got["rows"]) == 4
+    for name, (kernel_rows, cpu_rows) in got["rows"].items():
+        torch.testing.assert_close(kernel_rows, cpu_rows, msg=name)
+    unit = F.cross_entropy(got["logits"], got["labels"], reduction="none")
+    torch.testing.assert_close(got["rows"]["torch.float32-unit"][0], unit)
+    for objective in ("ce+tv", "ce+acceptance"):
+        (kernel_loss, kernel_grad), (cpu_loss, cpu_grad) = (
+            got["objectives"][f"{objective}-{name}"] for name in ("kernel", "cpu")
+        )
+        torch.testing.assert_close(kernel_loss, cpu_loss)
+        torch.testing.assert_close(kernel_grad, cpu_grad)
 
 
 def test_the_lm_head_must_be_frozen():
@@ -271,6 +318,138 @@ def test_drafter_loss_is_the_decayed_block_ce(setup):
     assert output.streak.item() == pytest.approx(sum(streaks) / len(streaks))
     assert output.supervised_tokens.item() == supervised.sum().item()
     assert output.noise == 0.0 and output.acc.grad_fn is None
+
+
+OBJECTIVE_VOCAB = 50
+OBJECTIVE_SUPERVISED = torch.tensor(
+    [[1, 1, 1, 1], [1, 0, 1, 1], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 1]], dtype=torch.bool
+)
+"""Six blocks of four slots: whole, a gap mid-block, an unsupervised end, an invalid anchor, a cut at
+the third slot, an unsupervised first slot (nothing of it is accepted, however likely the rest)."""
+
+
+def brute_force_loss(log_p, supervised, decay, objective, weight):
+    """CE + weight x the objective from the labels' log-probabilities `log_p [A, S]`, by definition."""
+    slot_weights_ = supervised * decay
+    loss = -(log_p * slot_weights_).sum() / slot_weights_.sum()
+    if objective == "ce+tv":  # 1 - p: the TV distance to the target's one-hot, weighed like the CE
+        return loss + weight * (slot_weights_ * (1 - log_p.exp())).sum() / slot_weights_.sum()
+    if objective == "ce+acceptance":  # per block: sum over k of the chance that drafts 1..k are accepted
+        expected = []
+        for block in range(log_p.shape[0]):
+            chance, accepted = 1.0, 0.0
+            for slot in range(log_p.shape[1]):
+                if not supervised[block, slot]:
+                    break  # no known target token: no draft past it is accepted
+                chance = chance * log_p[block, slot].exp()
+                accepted = accepted + chance
+            expected.append(accepted)
+        return loss - weight * sum(expected) / int(supervised[:, 0].sum())
+    return loss
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 6])
+@pytest.mark.parametrize("objective", ["ce", "ce+tv", "ce+acceptance"])
+def test_each_objective_equals_autograd_through_the_full_logits(objective, chunk_size):
+    """The chunked loss with an objective (its gradient a per-row scale of the CE's, applied after the
+    LM head's matmul) equals autograd through the full logits: value and d/d hidden, at every chunk
+    size, with a bias and labels likely enough (p 0.04-0.49) that every product matters."""
+    generator = torch.Generator().manual_seed(5)
+    lm_head = nn.Linear(HIDDEN, OBJECTIVE_VOCAB).requires_grad_(False)
+    lm_head.weight.copy_(torch.randn(OBJECTIVE_VOCAB, HIDDEN, generator=generator) / HIDDEN**0.5)
+    labels = torch.randint(0, OBJECTIVE_VOCAB, (6, 4), generator=generator)
+    hidden = 0.5 * torch.randn(6, 4, HIDDEN, generator=generator) + 3 * lm_head.weight[labels]
+    hidden.requires_grad_()
+    labels = labels * OBJECTIVE_SUPERVISED  # 0 where unsupervised, as block_labels makes them
+    decay = slot_weights(BLOCK, 2.0, "cpu")
+    weights = OBJECTIVE_SUPERVISED * decay
+    terms = SlotObjective.build(objective, 0.7, OBJECTIVE_SUPERVISED)
+    loss, _ = chunked_lm_head_ce(
+        hidden, lm_head, labels, weights / weights.sum(), chunk_size, objective=terms
+    )
+    (2.5 * loss).backward()
+    chunked_grad, hidden.grad = hidden.grad, None
+    log_p = torch.log_softmax(lm_head(hidden), dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+    expected = brute_force_loss(log_p, OBJECTIVE_SUPERVISED, decay, objective, 0.7)
+    (2.5 * expected).backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(chunked_grad, hidden.grad)
+
+
+@pytest.mark.parametrize("objective", ["ce+tv", "ce+acceptance"])
+def test_drafter_loss_adds_the_objective(setup, objective):
+    """Through `drafter_loss` (labels, supervision and weights from the row, the normaliser over the
+    whole batch): the loss and every drafter gradient equal autograd through the full logits."""
+    drafter, embed_tokens, lm_head, batch = setup
+    parameters = list(drafter.parameters())  # gradients by autograd.grad: none left on the shared drafter
+    output = drafter_loss(
+        drafter,
+        batch,
+        embed_tokens,
+        lm_head,
+        gamma=3.0,
+        chunk_size=5,
+        objective=objective,
+        objective_weight=0.7,
+    )
+    labels, supervised = reference_labels(batch.row, BLOCK)
+    logits = lm_head(drafter(batch.features, batch.row, embed_tokens)[:, 1:])
+    log_p = torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+    decay = torch.tensor([math.exp(-(k - 1) / 3.0) for k in range(1, BLOCK)])
+    expected = brute_force_loss(log_p, supervised, decay, objective, 0.7)
+    torch.testing.assert_close(output.loss, expected)
+    got, want = torch.autograd.grad(output.loss, parameters), torch.autograd.grad(expected, parameters)
+    for name, got_grad, want_grad in zip(dict(drafter.named_parameters()), got, want, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, msg=name)
+
+
+def test_the_ce_objective_is_the_ce_only_call_bit_for_bit(setup):
+    """objective "ce" (the default) runs the chunk as the CE always did, with its weights and no
+    per-row buffer, and gives the CE-only `chunked_lm_head_ce` call's loss and gradients to the bit."""
+    drafter, embed_tokens, lm_head, batch = setup
+    buffers = []
+
+    def spy(logits, labels, weights, row_ce=None):
+        buffers.append(row_ce)
+        return weighted_ce_chunk(logits, labels, weights, row_ce)
+
+    parameters = list(drafter.parameters())
+    output = drafter_loss(drafter, batch, embed_tokens, lm_head, chunk_size=5, ce_chunk=spy, objective="ce")
+    assert buffers == [None, None, None]  # 12 anchors in chunks of 5
+    labels, supervised = block_labels(batch.row, BLOCK)
+    weights = supervised * slot_weights(BLOCK, default_gamma(BLOCK), "cpu")
+    hidden = drafter(batch.features, batch.row, embed_tokens)[:, 1:]
+    loss, _ = chunked_lm_head_ce(hidden, lm_head, labels, weights / weights.sum(), 5)
+    assert torch.equal(output.loss, loss)
+    got, want = torch.autograd.grad(output.loss, parameters), torch.autograd.grad(loss, parameters)
+    assert all(torch.equal(got_grad, want_grad) for got_grad, want_grad in zip(got, want, strict=True))
+
+
+def test_the_objective_fields_validate_and_are_listed(capsys, monkeypatch):
+    """`train.objective` and `train.objective_weight`: defaults "ce" and 1.0, a bad value is the one-line
+    config error naming the field, and `dflash config schema` lists both with the values they take."""
+    raw = {"target": {"builtin": "tiny-lm"}, "drafter": {"mask_token_id": 3}}
+    train = validate_config({**raw, "train": {"objective": "ce+acceptance", "objective_weight": 0.5}}).train
+    assert (train.objective, train.objective_weight) == ("ce+acceptance", 0.5)
+    assert (TrainConfig().objective, TrainConfig().objective_weight) == ("ce", 1.0)
+    for bad, message in [
+        ({"objective": "tv"}, "train.objective: must be one of 'ce', 'ce+tv' or 'ce+acceptance', got 'tv'"),
+        ({"objective_weight": -1}, "train.objective_weight: must be >= 0.0, got -1"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            validate_config({**raw, "train": bad})
+        assert str(error.value) == f"<config>: {message}"
+    with pytest.raises(UserError) as error:
+        SlotObjective.build("tv", 1.0, OBJECTIVE_SUPERVISED)  # drafter_loss called with no config
+    assert str(error.value) == "train.objective: must be one of 'ce', 'ce+tv' or 'ce+acceptance', got 'tv'"
+    done = dflash(capsys, monkeypatch, "config", "schema")
+    assert done.returncode == 0, done.stderr
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip()
+        for line in done.stdout.splitlines()
+        if line.count("│") >= 4
+    }
+    assert rows["objective"] == '"ce" | "ce+tv" | "ce+acceptance"' and rows["objective_weight"] == "float"
 
 
 def test_acc_and_streak_by_hand():

@@ -4,10 +4,12 @@
 bytes it needs. Per row of `logits [n, V]`, one program: the first pass keeps, per lane, a running
 max, the sum of exponentials under it (the online softmax) and the first index of the largest logit;
 the second pass writes `w * (softmax - one_hot)` over the logits in place. So the logits are read
-twice and written once, and the chunk allocates no vocab-sized buffer. Inductor's kernel for the
-same expression ran at a third of the memory bandwidth (its argmax in the loop of the online softmax:
-17.0 ms of an 8B-recipe step, 30.0 ms at the 27B layout, on an H200); this one takes 10.6 and 18.6 ms
-(docs/architecture.md, DFlash model and objective).
+twice and written once, and the chunk allocates no vocab-sized buffer. Each row's weighted CE goes
+to a buffer of `n` floats before the sum; a caller that needs the rows (the acceptance objectives,
+app/model/acceptance.py) hands that buffer in. Inductor's kernel for the same expression ran at a
+third of the memory bandwidth (its argmax in the loop of the online softmax: 17.0 ms of an 8B-recipe
+step, 30.0 ms at the 27B layout, on an H200); this one takes 10.6 and 18.6 ms (docs/architecture.md,
+DFlash model and objective).
 
 Triton compiles it at the first call for the run's vocab and logits dtype (`VOCAB` is a constant of
 the kernel, and a run has one); `dflash build-cache` bakes that compile into the cache entry, so a
@@ -80,15 +82,22 @@ def forget_compiled_kernel() -> None:
 
 
 def triton_ce_chunk(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, row_ce: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`weighted_ce_chunk`'s (weighted CE sum, d/d logits, argmax) for `logits [n, V]`, labels `[n]`
     and weights `[n]`; the gradient is written over `logits`, which comes back as the second value
-    (the caller's logits are spent)."""
+    (the caller's logits are spent). `row_ce` (`[n]` fp32, contiguous), when given, receives each
+    row's weighted CE: the kernel writes its rows there instead of into a buffer of its own, so that
+    output costs nothing."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("triton_ce_chunk: the logits' vocab dim must be contiguous")
-    loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    if row_ce is None:
+        loss = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    elif row_ce.shape != (rows,) or row_ce.dtype != torch.float32 or not row_ce.is_contiguous():
+        raise ValueError("triton_ce_chunk: row_ce must be a contiguous fp32 [n] buffer")
+    else:
+        loss = row_ce
     predictions = torch.empty(rows, device=logits.device, dtype=torch.long)
     _weighted_ce_rows[(rows,)](
         logits,

@@ -2,7 +2,9 @@
 
 Block slot k (k >= 1) of anchor a predicts the token at row index a + k (same position, no shift),
 where that token exists, belongs to the anchor's document and is supervised (loss_mask). Slot k
-weighs `exp(-(k-1)/gamma)`; the loss is the weighted CE sum over the weight sum.
+weighs `exp(-(k-1)/gamma)`; the loss is the weighted CE sum over the weight sum, plus, with
+`train.objective` other than "ce", `train.objective_weight` times an objective on acceptance
+(`app.model.acceptance`), computed in the same chunks from the CE's own rows.
 
 The logits `anchors x block x vocab` never exist at once (1024 x 32 x 248K at production sizes):
 `chunked_lm_head_ce` runs the LM head `chunk` anchors at a time and computes each chunk's gradient
@@ -18,8 +20,8 @@ Metrics are returned as detached 0-d tensors on the training device: reading the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,14 +30,24 @@ from app.config import default_gamma
 from app.config.schema import TrainConfig
 from app.data.batch import DrafterRow, FeatureBatch
 from app.errors import UserError
+from app.model.acceptance import SlotObjective
 from app.model.attention import UncompiledKernelOnCudaError
 from app.model.tree import grow_tree, top_k_per_depth
 
-CeChunk = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-]
-"""`ce_chunk(logits [n, V], labels [n], weights [n]) -> (weighted CE sum, d/d logits, argmax)`; it may
-write the gradient over `logits` (the CUDA kernel does): the caller's logits are spent."""
+
+class CeChunk(Protocol):
+    """`ce_chunk(logits [n, V], labels [n], weights [n], row_ce) -> (weighted CE sum, d/d logits, argmax)`;
+    it may write the gradient over `logits` (the CUDA kernel does): the caller's logits are spent.
+    `row_ce`, an fp32 `[n]` buffer or None, receives each row's weighted CE: with unit weights,
+    -log p of the label, what the acceptance objectives need (the CE alone passes None)."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        row_ce: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
@@ -43,7 +55,8 @@ class LossOutput:
     """One drafter step's loss and metrics (metrics detached; `.item()` them on log steps only)."""
 
     loss: torch.Tensor
-    """0-d, differentiable: weighted CE sum / weight sum (0 when nothing is supervised)."""
+    """0-d, differentiable: weighted CE sum / weight sum (0 when nothing is supervised), plus
+    `objective_weight` x the objective's term when `train.objective` adds one (then it may be < 0)."""
     acc: torch.Tensor
     """0-d: argmax accuracy over supervised block slots."""
     streak: torch.Tensor
@@ -103,6 +116,8 @@ def drafter_loss(
     generator: torch.Generator | None = None,
     ce_chunk: CeChunk | None = None,
     tree_sample: TreeSample | None = None,
+    objective: str = "ce",
+    objective_weight: float = 1.0,
 ) -> LossOutput:
     """Forward one feature batch through the drafter and the chunked, decayed block CE.
 
@@ -110,7 +125,8 @@ def drafter_loss(
     `gamma` None takes the published default for the block size; `chunk_size` is in anchors
     (`train.loss_chunk_size`); `noise_std > 0` adds N(0, noise_std^2) to the features, drawn from
     `generator` (on the features' device) so resumed runs replay the same noise; `ce_chunk` is the
-    compiled `weighted_ce_chunk` (required on CUDA, see `chunked_lm_head_ce`).
+    compiled `weighted_ce_chunk` (required on CUDA, see `chunked_lm_head_ce`); `objective` and
+    `objective_weight` are `train.objective` and `train.objective_weight` (`app.model.acceptance`).
     """
     row, features = batch.row, batch.features
     block_size = _block_size(drafter)
@@ -121,7 +137,10 @@ def drafter_loss(
     labels, supervised = block_labels(row, block_size)
     weights = supervised * slot_weights(block_size, gamma or default_gamma(block_size), hidden.device)
     weights = weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
-    loss, predictions = chunked_lm_head_ce(hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk)
+    slot_objective = SlotObjective.build(objective, objective_weight, supervised)
+    loss, predictions = chunked_lm_head_ce(
+        hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk, slot_objective
+    )
     acc, streak = block_metrics(predictions, labels, supervised, row.anchor_valid)
     tree = tree_streak(hidden[:, 1:], lm_head, labels, supervised, tree_sample) if tree_sample else None
     return LossOutput(
@@ -220,13 +239,15 @@ def chunked_lm_head_ce(
     weights: torch.Tensor,
     chunk_size: int,
     ce_chunk: CeChunk | None = None,
+    objective: SlotObjective | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(weights * CE(lm_head(hidden), labels)) and the argmax predictions, `chunk_size` anchors at a time.
 
     `hidden [A, S, H]`, `labels`/`weights [A, S]`. The LM head must be frozen: only `hidden` gets a gradient.
     `ce_chunk` computes each chunk: on CUDA the Triton kernel `app.model.ce_kernel.triton_ce_chunk`
     (handed over by `app.compile.apply.compile_drafter`), required there; None runs
-    `weighted_ce_chunk` eagerly elsewhere.
+    `weighted_ce_chunk` eagerly elsewhere. With an `objective`, the loss adds its term; its
+    gradient rides on the CE's (`_chunk_loss`).
     """
     if lm_head.weight.requires_grad:
         raise ValueError("chunked_lm_head_ce: the LM head must be frozen (requires_grad=False)")
@@ -240,7 +261,7 @@ def chunked_lm_head_ce(
             )
         ce_chunk = weighted_ce_chunk
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, lm_head.weight, lm_head.bias, labels, weights, chunk_size, ce_chunk
+        hidden, lm_head.weight, lm_head.bias, labels, weights, chunk_size, ce_chunk, objective
     )
 
 
@@ -248,7 +269,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes loss, predictions and d(loss)/d(hidden) chunk by chunk; backward only scales it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, ce_chunk):
+    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, ce_chunk, objective):
         needs_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         predictions = torch.empty(labels.shape, device=hidden.device, dtype=torch.long)
@@ -259,13 +280,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = chunk @ weight.t()
             if bias is not None:
                 logits = logits + bias
-            chunk_loss, grad_logits, chunk_predictions = ce_chunk(
-                logits, labels[start:stop].reshape(-1), weights[start:stop].reshape(-1)
+            anchors = slice(start, stop)
+            chunk_loss, grad_logits, chunk_predictions, row_scale = _chunk_loss(
+                ce_chunk, logits, labels[anchors], weights[anchors], objective, anchors
             )
             loss = loss + chunk_loss
             predictions[start:stop] = chunk_predictions.view(stop - start, -1)
             if needs_grad:
                 grad_chunk = grad_logits @ weight
+                if row_scale is not None:  # rows scale after the head's matmul: [n, H], not [n, V]
+                    grad_chunk = grad_chunk * row_scale.view(-1, 1)
                 grad_hidden[start:stop] = grad_chunk.view(stop - start, -1, hidden.shape[-1])
             del logits, grad_logits  # free this chunk's vocab-sized buffers before the next one
         ctx.mark_non_differentiable(predictions)
@@ -276,15 +300,42 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_predictions):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None
+
+
+def _chunk_loss(
+    ce_chunk: CeChunk,
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    objective: SlotObjective | None,
+    anchors: slice,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk's (loss, d/d logits, argmax, per-row scale of `d/d logits @ W` or None) for its
+    `labels`/`weights [a, B-1]`.
+
+    The CE alone runs the chunk with its weights: the gradient comes out weighted, no row scale. An
+    objective runs it with unit weights for each row's CE and unweighted g = softmax - one_hot; the
+    row's gradient is then (w + lambda c) g, applied to `g @ W`'s rows by the caller.
+    """
+    if objective is None:
+        loss, grad_logits, predictions = ce_chunk(logits, labels.reshape(-1), weights.reshape(-1))
+        return loss, grad_logits, predictions, None
+    row_ce = torch.empty(labels.numel(), device=logits.device, dtype=torch.float32)
+    unit = torch.ones(labels.numel(), device=logits.device, dtype=torch.float32)
+    _, grad_logits, predictions = ce_chunk(logits, labels.reshape(-1), unit, row_ce)
+    row_ce = row_ce.view(labels.shape)
+    value, c = objective.chunk(anchors, row_ce, weights)
+    return (row_ce * weights).sum() + value, grad_logits, predictions, weights + c
 
 
 def weighted_ce_chunk(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, row_ce: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted CE sum, its gradient w.r.t. the logits (in the logits' dtype), and the argmax, for
     `logits [n, V]`: what one chunk of the loss computes, in plain PyTorch (the CPU's path; on CUDA
     the Triton kernel `app.model.ce_kernel` computes the same in two passes over the logits).
+    `row_ce`, when given, receives each row's weighted CE (`CeChunk`).
 
     The normaliser is softmax's max, shift, exp and sum, without `torch.logsumexp`'s guard against
     infinite maxima: the logits of a finite step are finite, and a non-finite step is skipped whole.
@@ -297,7 +348,10 @@ def weighted_ce_chunk(
     sum_exp = exp.sum(dim=-1, keepdim=True)
     log_normaliser = (row_max + sum_exp.log()).squeeze(-1)
     label_logits = logits.gather(-1, labels[:, None]).squeeze(-1)
-    loss = ((log_normaliser - label_logits) * weights).sum()
+    rows = (log_normaliser - label_logits) * weights
+    if row_ce is not None:
+        row_ce.copy_(rows)
+    loss = rows.sum()
     # d(w * CE)/d(logits) = w * (softmax - one_hot)
     one_hot = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
     grad = (exp / sum_exp - one_hot.float()) * weights[:, None]

@@ -116,4 +116,13 @@ def training_signal(
         "target": identity,
         "target.seed": source.seed if source.architecture is not None else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
+        # only when set: checkpoints of runs from before the objectives (all CE) still resume
+        **(
+            {
+                "train.objective": config.train.objective,
+                "train.objective_weight": config.train.objective_weight,
+            }
+            if config.train.objective != "ce"
+            else {}
+        ),
     }

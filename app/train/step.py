@@ -1,9 +1,9 @@
 """One drafter training step: the implementation the trainer, the compile warm-up, build-cache's
 baseline timing and every benchmark run, so what is measured is what trains.
 
-Built once from the run config: the loss settings (gamma, chunk size), the precision rule (bf16
-autocast on CUDA when `train.precision` is bf16), the optimizer (AdamW, fused on CUDA) and the
-gradient clip. A step is `backward` once per micro-batch, then `apply` once: gradients accumulate
+Built once from the run config: the loss settings (gamma, chunk size, objective), the precision
+rule (bf16 autocast on CUDA when `train.precision` is bf16), the optimizer (AdamW, fused on CUDA)
+and the gradient clip. A step is `backward` once per micro-batch, then `apply` once: gradients accumulate
 over the micro-batches, each loss divided by their number, and `apply` clips, steps and clears them.
 """
 
@@ -88,6 +88,8 @@ class DrafterStep:
                 generator=generator,
                 ce_chunk=self.drafter.kernels.ce_chunk,
                 tree_sample=tree_sample,
+                objective=self.train.objective,
+                objective_weight=self.train.objective_weight,
             )
 
     def backward(
