@@ -266,6 +266,7 @@ def supports_static_cache(model: PreTrainedModel) -> bool:
     try:
         cache = StaticCache(config=model.config, max_cache_len=1)
     except (ValueError, KeyError, NotImplementedError):
+        # a layer type transformers has no static cache for (its mapping has no key for it): not plain
         return False
     return all(type(layer) is StaticLayer for layer in cache.layers)
 
