@@ -1,12 +1,15 @@
 """`dflash bench quality`'s own parts: the eval split it carves from the corpus, the stages it skips on a
-rerun, a failing stage, and the table (means and 95% intervals over seeds, per domain). The stages'
-commands are tested where they live (datagen, train, eval); the whole benchmark ran on an H200
+rerun, children run several at once, a failing stage, and the table (means and 95% intervals over seeds,
+per domain; objectives paired by seed; the training metric's rank correlation with the eval). The
+stages' commands are tested where they live (datagen, train, eval); the whole benchmark ran on an H200
 (BENCHMARKS.md, 2026-12-03)."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 
 import pytest
 
@@ -14,11 +17,13 @@ from app.bench.quality import (
     QualityPlan,
     QualityReport,
     _build_prompts,
-    _child,
-    _train,
-    format_table,
-    interval,
+    _eval_command,
+    _train_command,
+    eval_trajectory,
+    run_children,
 )
+from app.bench.quality_report import format_table, interval, paired_change, rank_correlation
+from app.cli.bench_cmd import _variants
 from app.errors import UserError
 
 
@@ -32,6 +37,7 @@ def plan(tmp_path, **fields) -> QualityPlan:
         "eval_prompts": 3,
         "max_new_tokens": 16,
         "budgets": [16, 64],
+        "variants": {"ce": [], "ce+tv": ["train.objective=ce+tv"]},
     }
     return QualityPlan(**{**values, **fields})
 
@@ -57,17 +63,68 @@ def test_the_eval_split_is_the_first_prompts_of_each_held_out_domain(tmp_path):
     assert "data.eval_files=['%s']" % (tmp_path / "data" / "eval") in quality.stage_overrides()
 
 
-def test_a_trained_seed_is_not_trained_again_and_a_failing_stage_stops_the_benchmark(tmp_path):
+def test_a_trained_arm_is_not_trained_again_and_a_retrained_one_loses_its_stale_eval(tmp_path):
     quality = plan(tmp_path)
-    run_dir = quality.run_dir(0)
-    run_dir.mkdir(parents=True)
-    (run_dir / "status.json").write_text(json.dumps({"state": "completed"}))
+    trained, fresh = ("ce", 0), ("ce+tv", 1)
+    quality.run_dir(trained).mkdir(parents=True)
+    (quality.run_dir(trained) / "status.json").write_text(json.dumps({"state": "completed"}))
     lines: list[str] = []
-    _train(quality, 0, lines.append)
-    assert lines == [f"bench quality: seed 0: {run_dir} is trained"]
-    with pytest.raises(UserError, match=r"`dflash config` exited 2 \(its output is above\)"):
-        _child(["config", "show", str(tmp_path / "missing.toml")], lines.append)
-    assert any("missing.toml" in line for line in lines)  # the child's own error line was passed on
+    assert _train_command(quality, trained, lines.append) is None
+    assert lines == [f"bench quality: ce seed 0: {quality.run_dir(trained)} is trained"]
+    quality.eval_file(fresh).parent.mkdir(parents=True)
+    quality.eval_file(fresh).write_text("{}")  # an eval of an earlier, unfinished training
+    command = _train_command(quality, fresh, lines.append)
+    assert command is not None and not quality.eval_file(fresh).exists()
+    assert {"train.objective=ce+tv", "train.seed=1", f"train.output_dir={tmp_path}/runs/ce+tv/seed1"} <= set(
+        command
+    )
+    assert "--resume" not in command
+    (quality.run_dir(fresh) / "checkpoints").mkdir(parents=True)
+    assert _train_command(quality, fresh, lines.append)[-1] == "--resume"
+
+
+def test_arms_come_from_objectives_then_arm_options_each_checked_as_the_config_loads_it():
+    config = "configs/smollm2-quality.toml"
+    assert _variants(config, [], "ce, ce+tv", ["lr3 train.lr=3e-3 train.epochs=1"]) == {
+        "ce": ["train.objective=ce"],
+        "ce+tv": ["train.objective=ce+tv"],
+        "lr3": ["train.lr=3e-3", "train.epochs=1"],
+    }
+    assert _variants(config, ["train.objective=ce+tv"], None, []) == {"ce+tv": []}
+    for objectives, arms, message in [
+        ("ce,ce", [], "--objectives: each objective once"),
+        ("ce", ["ce train.lr=1"], "--arm 'ce train.lr=1': expected 'NAME OVERRIDE...' with a new name"),
+        (None, ["lr3"], "--arm 'lr3': expected"),
+        ("ce,bogus", [], "train.objective: must be one of"),
+        (None, ["big train.lr=-1"], "train.lr: must be > 0"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            _variants(config, [], objectives, arms)
+
+
+def test_an_arm_s_eval_reads_the_eval_split_and_is_skipped_once_written(tmp_path):
+    quality = plan(tmp_path)
+    command = _eval_command(quality, ("ce", 1))
+    assert command[:2] == ["eval", str(tmp_path / "runs" / "ce" / "seed1")]
+    assert f"--data={tmp_path}/prompts/eval.jsonl" in command and "--tree-budget=16,64" in command
+    assert f"--json={tmp_path}/evals/ce/seed1.json" in command and "--prompts=3" in command
+    quality.eval_file(("ce", 1)).write_text("{}")
+    assert _eval_command(quality, ("ce", 1)) is None
+
+
+def test_children_run_several_at_once_labelled_and_a_failure_stops_the_stage_after_all_ran(tmp_path):
+    lines: list[str] = []
+    config = ["config", "show", "configs/tiny.toml"]
+    missing = ["config", "show", str(tmp_path / "missing.toml")]
+    children = [("good", config), ("skipped", None), ("bad", missing), ("late", config)]
+    with pytest.raises(
+        UserError, match=r"^bad: bench quality: `dflash config` exited 2 \(its output is above\)$"
+    ):
+        run_children(children, jobs=2, log=lines.append)
+    assert any(line.startswith("[good] bench quality: $ dflash config show") for line in lines)
+    assert any(line.startswith("[late] ") and "block_size" in line for line in lines)  # ran after the failure
+    assert any(line.startswith("[bad] ") and "missing.toml" in line for line in lines)  # its own error line
+    assert not any("skipped" in line for line in lines)
 
 
 def seed_report(tau: float, tree: float, domains: dict[str, tuple[float, float]]) -> dict:
@@ -82,19 +139,61 @@ def seed_report(tau: float, tree: float, domains: dict[str, tuple[float, float]]
     return {**part(tau, tree), "domains": {name: part(*values) for name, values in domains.items()}}
 
 
-def test_the_table_has_each_domain_s_mean_and_interval_and_the_gap():
+def test_the_table_has_each_objective_s_domains_with_mean_interval_and_gap_and_the_paired_change():
     report = QualityReport(
-        seeds={
-            0: seed_report(2.0, 3.0, {"code": (1.5, 2.5), "prose": (2.5, 3.5)}),
-            1: seed_report(2.2, 3.2, {"code": (1.7, 2.7), "prose": (2.7, 3.7)}),
+        results={
+            "ce": {
+                0: seed_report(2.0, 3.0, {"code": (1.5, 2.5), "prose": (2.5, 3.5)}),
+                1: seed_report(2.2, 3.2, {"code": (1.7, 2.7), "prose": (2.7, 3.7)}),
+            },
+            "ce+tv": {
+                0: seed_report(2.0, 3.3, {"code": (1.5, 2.5), "prose": (2.5, 3.5)}),
+                1: seed_report(2.2, 3.2, {"code": (1.7, 2.7), "prose": (2.7, 3.7)}),
+            },
         },
-        training={0: {"step": 10, "streak": 1.5}},
+        training={"ce": {0: {"step": 10, "streak": 1.5}}},
+        evals={"ce": {0: [(1.0, 2.0), (2.0, 2.5), (3.0, 2.4)]}},
         stage_seconds={"eval": 12.0},
     )
     lines = format_table(report)
     half = 12.706 * 0.1 * math.sqrt(2) / math.sqrt(2)  # t(1) x stdev of (2.0, 2.2) / sqrt(2)
+    assert lines[0] == "objective ce: held-out acceptance over 2 seed(s) (mean +- 95% interval):"
     assert lines[2].split()[:2] == ["all", "3"]
     assert lines[2].split()[2:4] == ["2.100", f"+-{half:.3f}"]
     assert lines[3].startswith("code") and "1.600" in lines[3] and "2.600" in lines[3]
-    assert "gap between the best and the worst domain (chain tau): 1.000" in lines
-    assert 'seed 0: last training line {"step": 10, "streak": 1.5}' in lines and "stage eval: 12s" in lines
+    assert lines.count("gap between the best and the worst domain (chain tau): 1.000") == 2
+    # tree@64: +10% on seed 0, 0% on seed 1 -> +5% +- t(1) x stdev(10, 0) / sqrt(2)
+    paired = next(line for line in lines if line.startswith("ce+tv vs ce"))
+    assert f"tree@64 +5.0% +-{12.706 * 5:.1f}" in paired and "tau +0.0% +-0.0" in paired
+    assert "ce: rank correlation of tree_streak with held-out tree tau over evals: seed 0 +0.50" in lines
+    assert 'ce seed 0: last training line {"step": 10, "streak": 1.5}' in lines and "stage eval: 12s" in lines
+
+
+def test_the_paired_change_is_per_seed_relative_and_skips_seeds_one_side_lacks():
+    baseline = {0: seed_report(2.0, 4.0, {}), 1: seed_report(2.0, 4.0, {}), 2: seed_report(1.0, 1.0, {})}
+    other = {0: seed_report(2.2, 4.4, {}), 1: seed_report(2.2, 4.8, {})}
+    change = paired_change(baseline, other)
+    assert change["tau"] == pytest.approx((10.0, 0.0))
+    assert change["tree@64"] == pytest.approx((15.0, 12.706 * statistics.stdev([10.0, 20.0]) / math.sqrt(2)))
+
+
+def test_the_rank_correlation_is_spearman_with_tied_ranks():
+    assert rank_correlation([(1, 10), (2, 20), (3, 30), (4, 40)]) == pytest.approx(1.0)
+    assert rank_correlation([(1, 40), (2, 30), (3, 20), (4, 10)]) == pytest.approx(-1.0)
+    # ties share the mean rank: x ranks (0.5, 0.5, 2, 3), y ranks (0, 1, 2, 3)
+    expected = statistics.correlation([0.5, 0.5, 2, 3], [0, 1, 2, 3])
+    assert rank_correlation([(5, 1), (5, 2), (6, 3), (7, 4)]) == pytest.approx(expected)
+    assert rank_correlation([(1, 1), (2, 2)]) is None and rank_correlation([(1, 1), (1, 2), (1, 3)]) is None
+
+
+def test_the_eval_trajectory_pairs_each_eval_with_the_training_metric_logged_before_it(tmp_path):
+    records = [
+        {"step": 50, "loss": 3.0, "streak": 0.5, "tree_streak": 1.0},
+        {"step": 100, "eval": {"tau": 1.2, "tree_tau": 1.5}},
+        {"step": 100, "loss": 2.9, "streak": 0.6, "tree_streak": 1.2},
+        {"step": 150, "loss": 2.8, "streak": 0.7, "tree_streak": 1.4},
+        {"step": 200, "eval": {"tau": 1.3, "tree_tau": 1.7}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert eval_trajectory(tmp_path) == [(1.0, 1.5), (1.4, 1.7)]
+    assert eval_trajectory(tmp_path / "missing") == []

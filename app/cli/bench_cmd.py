@@ -9,6 +9,7 @@ import typer
 
 from app.cli.arguments import Overrides, int_list
 from app.config import load_config
+from app.errors import UserError
 
 group = typer.Typer(help="Benchmarks at a config's exact shapes.", no_args_is_help=True)
 
@@ -187,15 +188,36 @@ def quality(
     budgets: Annotated[
         str, typer.Option("--tree-budget", help="DDTree node budgets, comma-separated.")
     ] = "16,64,256",
+    objectives: Annotated[
+        str | None,
+        typer.Option(
+            "--objectives",
+            help="One arm per train.objective, comma-separated (e.g. ce,ce+tv,ce+acceptance); the first "
+            "arm is the baseline the others are compared with, paired by seed.",
+        ),
+    ] = None,
+    arm: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--arm",
+            help="An arm as 'NAME OVERRIDE...' (e.g. 'lr3e-3 train.lr=3e-3'), after the --objectives arms; "
+            "repeatable. With neither option, one arm: the config as it is.",
+        ),
+    ] = None,
+    jobs: Annotated[
+        int, typer.Option("--jobs", min=1, help="Training (and eval) runs at once on the device.")
+    ] = 1,
     out: Annotated[
         str | None, typer.Option("--out", help="The report as JSON (default WORKDIR/quality.json).")
     ] = None,
 ) -> None:
     """Train drafters with the config's recipe on its (real) target and measure held-out acceptance per
-    domain: prompts, the target's own answers, one run per seed, chain and DDTree tau with 95% intervals."""
+    domain: prompts, the target's own answers, one run per objective and seed, chain and DDTree tau with
+    95% intervals, each objective against the first paired by seed."""
     from pathlib import Path
 
-    from app.bench.quality import QualityPlan, format_table, run_quality, write_report
+    from app.bench.quality import QualityPlan, run_quality
+    from app.bench.quality_report import format_table, write_report
 
     plan = QualityPlan(
         config_file=config,
@@ -206,11 +228,35 @@ def quality(
         eval_prompts=eval_prompts,
         max_new_tokens=max_new_tokens,
         budgets=int_list(budgets, "--tree-budget", 1),
+        variants=_variants(config, overrides or [], objectives, arm or []),
+        jobs=jobs,
     )
     report = run_quality(plan, log=lambda line: print(line, flush=True))
     for line in format_table(report):
         print(line, flush=True)
     write_report(report, Path(out) if out else plan.workdir / "quality.json")
+
+
+def _variants(
+    config: str, overrides: list[str], objectives: str | None, arms: list[str]
+) -> dict[str, list[str]]:
+    """The arms of `--objectives` then `--arm`, each checked as the config loads it (one line naming
+    the bad override); with neither, one arm named after the config's objective."""
+    variants = {
+        name: [f"train.objective={name}"] for name in (objectives or "").replace(" ", "").split(",") if name
+    }
+    for text in arms:
+        name, *settings = text.split()
+        if not settings or "=" in name or name in variants:
+            raise UserError(
+                f"--arm {text!r}: expected 'NAME OVERRIDE...' with a new name, e.g. 'lr3e-3 train.lr=3e-3'"
+            )
+        variants[name] = settings
+    if objectives and len(variants) < len(objectives.split(",")):
+        raise UserError(f"--objectives: each objective once, got {objectives!r}")
+    for settings in variants.values():
+        load_config(config, [*overrides, *settings])
+    return variants or {load_config(config, overrides).train.objective: []}
 
 
 @group.command("windows")
