@@ -20,6 +20,7 @@ from app.bench.quality import (
     _eval_command,
     _train_command,
     eval_trajectory,
+    last_training_line,
     run_children,
 )
 from app.bench.quality_report import format_table, interval, paired_change, rank_correlation
@@ -197,3 +198,6 @@ def test_the_eval_trajectory_pairs_each_eval_with_the_training_metric_logged_bef
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert eval_trajectory(tmp_path) == [(1.0, 1.5), (1.4, 1.7)]
     assert eval_trajectory(tmp_path / "missing") == []
+    with (tmp_path / "metrics.jsonl").open("a") as metrics:  # a last window too short for a tree round
+        metrics.write(json.dumps({"step": 210, "loss": 2.7, "streak": 0.8, "tree_streak": None}) + "\n")
+    assert last_training_line(tmp_path) == {"step": 210, "loss": 2.7, "streak": 0.8, "tree_streak": 1.4}

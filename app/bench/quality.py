@@ -231,13 +231,14 @@ def _metric_records(run_dir: Path) -> list[dict[str, Any]]:
 
 def last_training_line(run_dir: Path) -> dict[str, Any]:
     """The run's last logged training metrics (metrics.jsonl): its `streak` and `tree_streak` say what
-    training saw, to set beside the held-out tau."""
+    training saw, to set beside the held-out tau. Each is its last logged value: a run's final window
+    can be too short to hold a tree round (its `tree_streak` is null)."""
     last: dict[str, Any] = {}
     for record in _metric_records(run_dir):
         if "streak" in record:
-            last = {
-                key: record[key] for key in ("step", "loss", "acc", "streak", "tree_streak") if key in record
-            }
+            for key in ("step", "loss", "acc", "streak", "tree_streak"):
+                if record.get(key) is not None:
+                    last[key] = record[key]
     return last
 
 
