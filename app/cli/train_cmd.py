@@ -36,13 +36,15 @@ def train(
     Multi-GPU topologies (topology.*) run under torchrun, one process per GPU (entrypoint.sh train).
     """
     from app.config import load_config, require_builtin_packages
+    from app.paths import cache_root
     from app.pipeline.roles import torchrun_variables
 
     run_config = load_config(config, overrides or [])
     # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group, or a
-    # torchrun variable that is no integer, is one line.
+    # torchrun variable that is no integer, or a cache root under a regular file, is one line.
     require_builtin_packages(run_config.target.builtin)
     torchrun_variables()
+    cache_root()
     from app.pipeline.distributed import wants_distributed
 
     if wants_distributed(run_config):
