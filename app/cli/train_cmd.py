@@ -77,7 +77,7 @@ def _train_rank(run_config, resume: bool) -> None:
 
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-    from app.errors import UserError
+    from app.errors import JobFailed, UserError
     from app.pipeline.distributed import start_runtime
 
     runtime = start_runtime(run_config, _print)
@@ -101,7 +101,8 @@ def _train_rank(run_config, resume: bool) -> None:
     except BaseException as error:
         if _report_failure(runtime, error):
             error_file.record_exception(error)
-            traceback.print_exc()  # the job's first failure: its traceback is the one worth reading
+            if not isinstance(error, JobFailed):  # its line, printed above, says all of it
+                traceback.print_exc()  # the job's first failure: its traceback is the one worth reading
         else:
             time.sleep(FOLLOWER_EXIT_DELAY_S)  # let the agent see the first failure's rank exit first
         exit_code = 1

@@ -36,7 +36,7 @@ from app.data.batching import BatchPlanner, DataCursor, plan_stats
 from app.data.tokenize import pad_token_id
 from app.env.guard import ALLOW_SETTING, check_environment
 from app.env.record import append_start
-from app.errors import UserError
+from app.errors import JobFailed, UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
@@ -81,7 +81,7 @@ class TrainingStopped(Exception):
         self.checkpoint = checkpoint
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(JobFailed):
     """The loss became NaN/inf: the run stops, naming the step and the batches that did it."""
 
     def __init__(self, step: int, round_: Round) -> None:
