@@ -74,12 +74,22 @@ def cache_under_a_file(tmp: Path) -> tuple[list[str], dict[str, str], str]:
     )
 
 
+def resume_of_no_run(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'mistyped'}", "--resume"],
+        {},
+        f"train.output_dir = {tmp / 'mistyped'}: does not exist, so there is no run to resume there; check "
+        "the path, or drop --resume to start a new run",
+    )
+
+
 CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     non_utf8_config,
     directory_as_config,
     unclosed_list_override,
     torchrun_variable,
     cache_under_a_file,
+    resume_of_no_run,
 ]
 
 

@@ -234,6 +234,14 @@ def test_the_run_directory_is_created_and_proven_writable(tmp_path: Path) -> Non
     assert run_dir.is_dir() and list(run_dir.iterdir()) == []  # the probe is gone
 
 
+def test_a_resume_into_a_directory_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    """Not a new run from step 0 that exits 0 as if it had resumed (the API's path; `dflash train`
+    refuses before torch loads, tests/test_bad_inputs.py)."""
+    with pytest.raises(UserError, match=r"^train.output_dir = .*/typo: does not exist, so there is no run"):
+        check_run_directory(tmp_path / "typo", resume=True)
+    assert not (tmp_path / "typo").exists()
+
+
 @pytest.mark.parametrize("where", ["under a file", "a file"])
 def test_an_output_dir_that_cannot_be_a_directory_is_refused_naming_the_setting(
     tmp_path: Path, where: str

@@ -39,6 +39,7 @@ from app.atomic import (
     write_json_atomic,
     write_text_atomic,
 )
+from app.checkpoint.run_dir import require_run_to_resume
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -148,6 +149,8 @@ def check_run_directory(run_dir: str | Path, resume: bool) -> None:
     """Before anything heavy loads: make sure the run directory can be written (not hours later, at
     the first checkpoint), remove what a killed write left, and refuse to start a new run in a
     directory holding another run's checkpoints (the two would mix, and pruning would delete the new ones)."""
+    if resume:
+        require_run_to_resume(run_dir)
     _require_writable(Path(run_dir))
     root = checkpoint_root(run_dir)
     if not root.is_dir():

@@ -35,16 +35,20 @@ def train(
     SIGTERM or Ctrl-C checkpoints after the current step and exits 143; `--resume` continues exactly.
     Multi-GPU topologies (topology.*) run under torchrun, one process per GPU (entrypoint.sh train).
     """
+    from app.checkpoint.run_dir import require_run_to_resume
     from app.config import load_config, require_builtin_packages
     from app.paths import cache_root
     from app.pipeline.roles import torchrun_variables
 
     run_config = load_config(config, overrides or [])
-    # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group, or a
-    # torchrun variable that is no integer, or a cache root under a regular file, is one line.
+    # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group, a
+    # torchrun variable that is no integer, a cache root under a regular file or a resume of no run is
+    # one line.
     require_builtin_packages(run_config.target.builtin)
     torchrun_variables()
     cache_root()
+    if resume:
+        require_run_to_resume(run_config.train.output_dir)
     from app.pipeline.distributed import wants_distributed
 
     if wants_distributed(run_config):
