@@ -234,6 +234,28 @@ def test_the_run_directory_is_created_and_proven_writable(tmp_path: Path) -> Non
     assert run_dir.is_dir() and list(run_dir.iterdir()) == []  # the probe is gone
 
 
+def test_temp_files_a_killed_start_left_are_removed_at_the_next(tmp_path: Path) -> None:
+    """A SIGKILL between a temp file's write and its rename leaves `.status.json.<random>.tmp`; the
+    next start removes those of the run directory and of `checkpoints/`, and nothing else."""
+    root = checkpoint_root(tmp_path)
+    root.mkdir()
+    killed = [
+        tmp_path / ".status.json.k1ll3d_0.tmp",
+        tmp_path / ".config.json.abcdefgh.tmp",
+        root / ".latest.12345678.tmp",
+    ]
+    kept = [
+        tmp_path / "notes.tmp",
+        tmp_path / ".hidden",
+        tmp_path / "status.json",
+        tmp_path / ".status.json.tmp",
+    ]
+    for path in [*killed, *kept]:
+        path.write_text("{")
+    check_run_directory(tmp_path, resume=True)
+    assert [path.exists() for path in killed + kept] == [False] * len(killed) + [True] * len(kept)
+
+
 def test_a_resume_into_a_directory_that_does_not_exist_is_refused(tmp_path: Path) -> None:
     """Not a new run from step 0 that exits 0 as if it had resumed (the API's path; `dflash train`
     refuses before torch loads, tests/test_bad_inputs.py)."""

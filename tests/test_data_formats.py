@@ -6,7 +6,9 @@ import gzip
 import json
 import os
 import re
+import shutil
 import time
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
@@ -321,6 +323,19 @@ def test_nothing_left_after_filtering_is_a_user_error_with_counts(tmp_path, tiny
         f"supervised tokens; e.g. {path} record 1: no assistant turn"
     )
     assert list((tmp_path / "cache").iterdir()) == [], "a failed build leaves nothing behind"
+
+
+def test_a_killed_tokenization_is_cleaned_up_by_the_next_one(tmp_path, tiny_tokenizer):
+    """A SIGKILL during tokenization leaves the key's hidden staging directory; the next build of that
+    key (which holds the cache directory's lock, so no live build owns it) removes it."""
+    path = write_jsonl(tmp_path / "data.jsonl", [conversation(0), conversation(1)])
+    final = Path(load([path], tmp_path, tiny_tokenizer).summary.cache_path)
+    shutil.rmtree(final)
+    killed = final.parent / f".{final.name}.k1ll3d00"
+    (killed / "work").mkdir(parents=True)
+    (killed / "work" / "source-0.arrow").write_bytes(b"half written")
+    assert load([path], tmp_path, tiny_tokenizer).summary.kept == 2
+    assert not killed.exists() and final.is_dir()
 
 
 def test_empty_files_contribute_nothing(tmp_path, tiny_tokenizer):

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from app.atomic import (
     fsync_tree,
+    remove_abandoned_temp_files,
     replace_directory,
     staging_directory,
     write_bytes_atomic,
@@ -148,13 +149,16 @@ def latest_checkpoint(root: Path) -> Path | None:
 def check_run_directory(run_dir: str | Path, resume: bool) -> None:
     """Before anything heavy loads: make sure the run directory can be written (not hours later, at
     the first checkpoint), remove what a killed write left, and refuse to start a new run in a
-    directory holding another run's checkpoints (the two would mix, and pruning would delete the new ones)."""
+    directory holding another run's checkpoints (the two would mix, and pruning would delete the new ones).
+    What a SIGKILL left is removed: a status or config file's temp file, a checkpoint's staging."""
     if resume:
         require_run_to_resume(run_dir)
     _require_writable(Path(run_dir))
+    remove_abandoned_temp_files(run_dir)
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return
+    remove_abandoned_temp_files(root)
     remove_abandoned_staging(root)
     existing = complete_checkpoints(root)
     if existing and not resume:
