@@ -124,14 +124,37 @@ class DataSummary:
 
 @dataclass
 class RecordLocator:
-    """Maps a row of a multi-file source back to (file, record index) for messages."""
+    """Maps a row of a source back to where it is for messages: the line of a JSON lines file, else the
+    file of a multi-file source and the (0-based) record index in it."""
 
     files: list[str]
     starts: list[int]
+    lines_of: Path | None = None
+    """A JSON lines file: its rows are named by line number, as an editor shows them."""
 
     def __call__(self, row: int) -> str:
+        if self.lines_of is not None:
+            stat = self.lines_of.stat()
+            return f"{self.files[0]} line {_record_lines(self.lines_of, stat.st_mtime_ns, stat.st_size)[row]}"
         file = bisect.bisect_right(self.starts, row) - 1
         return f"{self.files[file]} record {row - self.starts[file]}"
+
+
+@functools.lru_cache(maxsize=4)
+def _record_lines(path: Path, mtime_ns: int, size: int) -> list[int]:
+    """The 1-based number of each line of a JSON lines file that holds a record: the json reader and
+    the line-by-line fallback both skip blank lines. Read only once a record is malformed."""
+    with open_binary(path) as handle:
+        return [number for number, line in enumerate(handle, start=1) if line.strip()]
+
+
+def _is_json_lines(path: Path) -> bool:
+    """Whether a json file is JSON lines rather than one top-level array of records."""
+    with open_binary(path) as handle:
+        while chunk := handle.read(4096):
+            if stripped := chunk.lstrip():
+                return not stripped.startswith(b"[")
+    return True
 
 
 class TokenizedDataset:
@@ -361,14 +384,16 @@ def _read_source(
             raw = _single_split(datasets.load_from_disk(str(source.files[0])), source.label)
         elif source.kind == "json":
             require_utf8(source.files[0])
+            if _is_json_lines(source.files[0]):
+                locator = RecordLocator([source.label], [0], lines_of=source.files[0])
             # the json reader logs its parse error, which the fallback handles: its line would mislead
             reader_log = logging.getLogger("datasets.packaged_modules.json.json")
             level = reader_log.level
             reader_log.setLevel(logging.CRITICAL)
             try:
                 raw = _load(source, raw_cache)
-            # some lines are not JSON (keep the rest, count those), or the file is empty
-            except (DatasetGenerationError, StopIteration):
+            # some lines are not JSON (keep the rest, count those), or the file is empty or blank
+            except (DatasetGenerationError, StopIteration, ValueError):
                 raw = _json_lines(source.files[0])
                 if len(raw) and (error := _unreadable_json(source.files[0], raw)) is not None:
                     raise error from None
