@@ -83,6 +83,15 @@ def resume_of_no_run(tmp: Path) -> tuple[list[str], dict[str, str], str]:
     )
 
 
+def blocks_longer_than_samples(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", "configs/tiny.toml", "drafter.block_size=300", f"train.output_dir={tmp / 'run'}"],
+        {},
+        "configs/tiny.toml: drafter.block_size: a training sample needs 2 x block_size = 600 supervised "
+        "tokens, more than data.max_length (512) holds; got block_size 300",
+    )
+
+
 CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     non_utf8_config,
     directory_as_config,
@@ -90,6 +99,7 @@ CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     torchrun_variable,
     cache_under_a_file,
     resume_of_no_run,
+    blocks_longer_than_samples,
 ]
 
 

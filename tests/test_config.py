@@ -101,6 +101,11 @@ def test_bound_violation_reads_like_the_rule(tmp_path: Path) -> None:
             ["train.anchors=4096", "data.token_budget=2048", "data.max_length=512"],
             r"train\.anchors: must be <=",
         ),
+        (
+            ["drafter.block_size=16", "data.max_length=16", "data.token_budget=128", "train.anchors=16"],
+            r"^.*: drafter\.block_size: a training sample needs 2 x block_size = 32 supervised tokens, more "
+            r"than data\.max_length \(16\) holds; got block_size 16$",
+        ),
     ],
 )
 def test_cross_field_rules(tmp_path: Path, overrides: list[str], message: str) -> None:
