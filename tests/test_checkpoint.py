@@ -279,6 +279,21 @@ def test_an_output_dir_that_cannot_be_a_directory_is_refused_naming_the_setting(
     assert file.read_text() == "keep me"
 
 
+@pytest.mark.parametrize("where", ["a symlink loop", "under a dangling symlink"])
+def test_an_output_dir_through_a_broken_symlink_is_refused_naming_it(tmp_path: Path, where: str) -> None:
+    """mkdir's own words were "(File exists)"."""
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a" if where == "a symlink loop" else "gone")
+    run_dir = tmp_path / "a" if where == "a symlink loop" else tmp_path / "b" / "run"
+    broken, target = ("it", "b") if where == "a symlink loop" else (str(tmp_path / "b"), "gone")
+    with pytest.raises(UserError) as refused:
+        check_run_directory(run_dir, resume=False)
+    assert str(refused.value) == (
+        f"train.output_dir = {run_dir}: {broken} is a symlink to {target}, which does not resolve (a loop, "
+        "or gone)"
+    )
+
+
 def test_a_read_only_output_dir_is_refused_naming_the_setting(tmp_path: Path) -> None:
     with unwritable_directory(tmp_path / "run") as run_dir:
         with pytest.raises(

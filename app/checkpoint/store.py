@@ -178,8 +178,15 @@ def _require_writable(run_dir: Path) -> None:
         probe.unlink()
     except OSError as error:
         file = next((path for path in (run_dir, *run_dir.parents) if path.is_file()), None)
+        # a link to nowhere: a loop, or a target that is gone (mkdir says "File exists" of it)
+        broken = next((p for p in (run_dir, *run_dir.parents) if p.is_symlink() and not p.exists()), None)
         if file is not None:  # mkdir's own words ("File exists", "Not a directory") do not say which
             reason = f"{'it' if file == run_dir else file} is a file, not a directory"
+        elif broken is not None:
+            where = "it" if broken == run_dir else str(broken)
+            reason = (
+                f"{where} is a symlink to {os.readlink(broken)}, which does not resolve (a loop, or gone)"
+            )
         else:
             reason = f"cannot create or write files there ({error.strerror or error})"
         raise UserError(f"train.output_dir = {run_dir}: {reason}") from None
