@@ -127,15 +127,21 @@ def _compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:
 
 
 def _cache_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """A cache dir under /tmp that a variable sets. Torch's and Triton's own defaults are no finding:
+    training and build-cache never use them (they pick a per-key dir under the dflash cache root,
+    app.compile.environment), so on a clean machine the warning was about nothing that runs."""
     cache = fingerprint.get("compile_cache") or {}
     found = []
-    for kind, variable in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR")):
-        if cache.get(f"{kind}_under_tmp"):
+    for kind, variable, effect in (
+        ("inductor", "TORCHINDUCTOR_CACHE_DIR", "training refuses it unless compile.inductor_dir is set"),
+        ("triton", "TRITON_CACHE_DIR", "cleanups delete compiled kernels"),
+    ):
+        if cache.get(f"{kind}_under_tmp") and cache.get(f"{kind}_dir_from") == variable:
             found.append(
                 Finding(
                     "warning",
-                    f"{kind} cache {cache[f'{kind}_dir']} is under /tmp, where cleanups delete compiled kernels",
-                    f"export {variable}=~/.cache/dflash/{kind} (or another persistent directory)",
+                    f"{variable}={cache[f'{kind}_dir']} is under /tmp: {effect}",
+                    f"export {variable}=~/.cache/dflash/{kind} (or another persistent directory), or unset it",
                 )
             )
     return found
