@@ -147,12 +147,15 @@ def test_compiler_variables_are_recorded_and_the_degrading_ones_are_problems(
             "TORCH_LOGS": "recompiles",  # recorded, harmless
             "TORCH_CACHING_PRECOMPILE": "1",
             "TORCH_STRICT_PRECOMPILE": "0",  # recorded, harmless
+            "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1",  # numerics: recorded
+            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
             "PATH": "/usr/bin",
         }
     )
     assert list(recorded) == [
-        "TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE",
-        "TORCH_CACHING_PRECOMPILE", "TORCH_LOGS", "TORCH_STRICT_PRECOMPILE",
+        "CUBLAS_WORKSPACE_CONFIG", "TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_CACHING_PRECOMPILE",
+        "TORCH_LOGS", "TORCH_STRICT_PRECOMPILE",
     ]  # fmt: skip
     assert [flag.name for flag, _ in degrading_flags(recorded)] == [
         "TORCHDYNAMO_DISABLE",
@@ -175,6 +178,8 @@ def test_compiler_variables_are_recorded_and_the_degrading_ones_are_problems(
         "compiler_env.TORCH_LOGS": False,
         "compiler_env.TORCH_CACHING_PRECOMPILE": True,
         "compiler_env.TORCH_STRICT_PRECOMPILE": False,
+        "compiler_env.TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": False,
+        "compiler_env.CUBLAS_WORKSPACE_CONFIG": False,
     }
 
 
