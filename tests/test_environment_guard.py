@@ -81,6 +81,8 @@ def test_an_allowed_drift_trains_degraded_and_every_start_is_recorded(
     starts = read_starts(tmp_path)
     assert [(start.start, start.step, start.good) for start in starts] == [(1, 0, True), (2, 1, False)]
     assert "sglang 0.5.3" in starts[1].accepted[0]
+    # each start keeps the settings it trained with (config.json is the newest start's)
+    assert [start.config["train"]["allow_environment_drift"] for start in starts] == [False, True]
     assert "packages.stray.sglang" in starts[1].accepted[1]  # and it differs from start 1
     assert any(
         line.startswith("warning: DEGRADED start, accepted by train.allow_environment_drift")

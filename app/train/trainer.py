@@ -578,8 +578,9 @@ class Trainer:
         write_json_atomic(self.run_dir / "config.json", config)
         check = self.environment
         start = append_start(
-            self.run_dir, check.fingerprint, step=self.step, accepted=check.accepted, new_run=not self.resumed
-        )
+            self.run_dir, check.fingerprint, step=self.step, accepted=check.accepted, new_run=not self.resumed,
+            config=config,
+        )  # fmt: skip
         for line in start.accepted:
             self.log(f"warning: DEGRADED start, accepted by {ALLOW_SETTING}: {line}")
         environment = {"start": start.start, "accepted": start.accepted}
