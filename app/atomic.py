@@ -35,6 +35,21 @@ def write_bytes_atomic(path: str | Path, data: bytes, *, durable: bool = True) -
         raise
 
 
+TEMP_FILE = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+"""The name `write_bytes_atomic` writes a file under before its rename (tempfile's 8 random characters)."""
+
+
+def remove_abandoned_temp_files(directory: str | Path) -> None:
+    """Delete the temp files that writers killed before their rename left in `directory` (not below
+    it). Only for a directory whose one writer is the caller, at its start (a run's directory)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        if TEMP_FILE.match(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+
+
 def write_text_atomic(path: str | Path, text: str, *, durable: bool = True) -> None:
     write_bytes_atomic(path, text.encode(), durable=durable)
 

@@ -234,6 +234,36 @@ def test_the_run_directory_is_created_and_proven_writable(tmp_path: Path) -> Non
     assert run_dir.is_dir() and list(run_dir.iterdir()) == []  # the probe is gone
 
 
+def test_temp_files_a_killed_start_left_are_removed_at_the_next(tmp_path: Path) -> None:
+    """A SIGKILL between a temp file's write and its rename leaves `.status.json.<random>.tmp`; the
+    next start removes those of the run directory and of `checkpoints/`, and nothing else."""
+    root = checkpoint_root(tmp_path)
+    root.mkdir()
+    killed = [
+        tmp_path / ".status.json.k1ll3d_0.tmp",
+        tmp_path / ".config.json.abcdefgh.tmp",
+        root / ".latest.12345678.tmp",
+    ]
+    kept = [
+        tmp_path / "notes.tmp",
+        tmp_path / ".hidden",
+        tmp_path / "status.json",
+        tmp_path / ".status.json.tmp",
+    ]
+    for path in [*killed, *kept]:
+        path.write_text("{")
+    check_run_directory(tmp_path, resume=True)
+    assert [path.exists() for path in killed + kept] == [False] * len(killed) + [True] * len(kept)
+
+
+def test_a_resume_into_a_directory_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    """Not a new run from step 0 that exits 0 as if it had resumed (the API's path; `dflash train`
+    refuses before torch loads, tests/test_bad_inputs.py)."""
+    with pytest.raises(UserError, match=r"^train.output_dir = .*/typo: does not exist, so there is no run"):
+        check_run_directory(tmp_path / "typo", resume=True)
+    assert not (tmp_path / "typo").exists()
+
+
 @pytest.mark.parametrize("where", ["under a file", "a file"])
 def test_an_output_dir_that_cannot_be_a_directory_is_refused_naming_the_setting(
     tmp_path: Path, where: str
@@ -247,6 +277,21 @@ def test_an_output_dir_that_cannot_be_a_directory_is_refused_naming_the_setting(
     ):
         check_run_directory(run_dir, resume=False)
     assert file.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("where", ["a symlink loop", "under a dangling symlink"])
+def test_an_output_dir_through_a_broken_symlink_is_refused_naming_it(tmp_path: Path, where: str) -> None:
+    """mkdir's own words were "(File exists)"."""
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a" if where == "a symlink loop" else "gone")
+    run_dir = tmp_path / "a" if where == "a symlink loop" else tmp_path / "b" / "run"
+    broken, target = ("it", "b") if where == "a symlink loop" else (str(tmp_path / "b"), "gone")
+    with pytest.raises(UserError) as refused:
+        check_run_directory(run_dir, resume=False)
+    assert str(refused.value) == (
+        f"train.output_dir = {run_dir}: {broken} is a symlink to {target}, which does not resolve (a loop, "
+        "or gone)"
+    )
 
 
 def test_a_read_only_output_dir_is_refused_naming_the_setting(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,11 @@ def test_bound_violation_reads_like_the_rule(tmp_path: Path) -> None:
             ["train.anchors=4096", "data.token_budget=2048", "data.max_length=512"],
             r"train\.anchors: must be <=",
         ),
+        (
+            ["drafter.block_size=16", "data.max_length=16", "data.token_budget=128", "train.anchors=16"],
+            r"^.*: drafter\.block_size: a training sample needs 2 x block_size = 32 supervised tokens, more "
+            r"than data\.max_length \(16\) holds; got block_size 16$",
+        ),
     ],
 )
 def test_cross_field_rules(tmp_path: Path, overrides: list[str], message: str) -> None:
@@ -143,6 +149,14 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         load_config(write(tmp_path, "target:\n  builtin: tiny-lm\ndrafter: [a, {b\n", "bad.yaml"))
     with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON: Expecting .* \(line 1, column 12\)"):
         load_config(write(tmp_path, '{"target": }', "bad.json"))
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"[target]\nbuiltin = 'tiny-lm'\n# caf\xe9\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^.*latin1\.toml: not UTF-8 text: byte b'\\xe9' at line 3, column 6 \(invalid continuation "
+        r"byte\); save the file as UTF-8$",
+    ):
+        load_config(latin1)
 
 
 @pytest.mark.parametrize(
@@ -158,6 +172,16 @@ def test_list_overrides_take_what_a_shell_user_types(tmp_path: Path, override: s
     assert load_config(write(tmp_path, MINIMAL), [override]).data.train_files == files
     ids = load_config(write(tmp_path, MINIMAL), ["drafter.target_layer_ids=1,2"]).drafter.target_layer_ids
     assert ids == [1, 2]  # an Optional list too, its items typed
+
+
+@pytest.mark.parametrize("override", ["data.train_files=[unclosed", "data.train_files=a.jsonl]"])
+def test_a_list_override_with_unbalanced_brackets_is_refused(tmp_path: Path, override: str) -> None:
+    """Not read as a file named `unclosed` (the shell user dropped the bracket, or quoting ate it)."""
+    with pytest.raises(
+        ConfigError,
+        match=rf"^override {re.escape(repr(override))}: data\.train_files: a list with unbalanced brackets",
+    ):
+        load_config(write(tmp_path, MINIMAL), [override])
 
 
 def test_a_bad_override_value_names_the_override_not_the_file(tmp_path: Path) -> None:
@@ -181,7 +205,7 @@ def test_a_run_directory_is_a_config(tmp_path: Path) -> None:
     assert load_config(run_dir) == original
     assert load_config(run_dir / "config.json", ["train.lr=2e-4"]).train.lr == 2e-4
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match=r"empty/config\.json: config file not found"):
+    with pytest.raises(ConfigError, match=r"empty: a directory without config\.json, so not a run directory"):
         load_config(tmp_path / "empty")
 
 

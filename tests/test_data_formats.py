@@ -6,7 +6,9 @@ import gzip
 import json
 import os
 import re
+import shutil
 import time
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
@@ -238,26 +240,41 @@ def test_every_file_kind_loads_to_the_same_samples(tmp_path, tiny_tokenizer):
         assert ids == expected, kind
 
 
-def test_malformed_records_are_counted_with_file_index_and_reason(tmp_path, tiny_tokenizer):
+@pytest.mark.parametrize("reader", ["json reader", "line by line"])
+def test_malformed_records_are_counted_with_file_line_and_reason(tmp_path, tiny_tokenizer, reader):
+    """Named by the line an editor shows (blank lines counted), whether the json reader parsed the
+    file or a line that is not JSON sent it to the line-by-line fallback."""
     path = tmp_path / "mixed.jsonl"
     lines = [
         json.dumps(conversation(0)),
+        "",
         json.dumps({"messages": [{"role": "bot", "content": "Hi"}, ASSISTANT]}),
-        "{this is not json",
+        "{this is not json" if reader == "line by line" else json.dumps(conversation(2)),
+        "   ",
         json.dumps(conversation(1)),
-        json.dumps({"messages": [{"role": "user", "content": 7}, ASSISTANT]}),
         json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),
     ]
     path.write_text("\n".join(lines) + "\n")
     summary = load([str(path)], tmp_path, tiny_tokenizer).summary
-    assert (summary.records, summary.malformed, summary.too_short, summary.kept) == (6, 4, 0, 2)
+    broken = reader == "line by line"
+    assert (summary.records, summary.malformed, summary.kept) == (5, 2 + broken, 3 - broken)
     assert summary.malformed_examples == [
-        f"{path} record 1: message 0: unknown role 'bot' (expected one of system, user, assistant, tool)",
-        f"{path} record 2: not valid JSON (Expecting property name enclosed in double quotes at column 2)",
-        f"{path} record 4: message 0: content must be a string, got int",
-        f"{path} record 5: no assistant turn",
-    ]
-    assert "4 malformed" in summary.describe() and "record 5: no assistant turn" in summary.describe()
+        f"{path} line 3: message 0: unknown role 'bot' (expected one of system, user, assistant, tool)",
+        *([f"{path} line 4: not valid JSON (Expecting property name enclosed in double quotes at column 2)"]
+          if broken else []),
+        f"{path} line 7: no assistant turn",
+    ]  # fmt: skip
+
+
+def test_a_blank_json_lines_file_holds_no_records(tmp_path, tiny_tokenizer):
+    """Whitespace only: no records, as an empty file (not the datasets library's "corresponds to no data")."""
+    (tmp_path / "blank.jsonl").write_text("  \n\n \t\n")
+    with pytest.raises(UserError) as refused:
+        load([str(tmp_path / "blank.jsonl")], tmp_path, tiny_tokenizer)
+    assert str(refused.value) == (
+        f"no trainable conversations in {tmp_path / 'blank.jsonl'}: 0 records read, 0 malformed, 0 with "
+        "fewer than 16 supervised tokens"
+    )
 
 
 @pytest.mark.parametrize(
@@ -318,9 +335,22 @@ def test_nothing_left_after_filtering_is_a_user_error_with_counts(tmp_path, tiny
         load([path], tmp_path, tiny_tokenizer, min_supervised=16)
     assert str(error.value) == (
         f"no trainable conversations in {path}: 3 records read, 1 malformed, 2 with fewer than 16 "
-        f"supervised tokens; e.g. {path} record 1: no assistant turn"
+        f"supervised tokens; e.g. {path} line 2: no assistant turn"
     )
     assert list((tmp_path / "cache").iterdir()) == [], "a failed build leaves nothing behind"
+
+
+def test_a_killed_tokenization_is_cleaned_up_by_the_next_one(tmp_path, tiny_tokenizer):
+    """A SIGKILL during tokenization leaves the key's hidden staging directory; the next build of that
+    key (which holds the cache directory's lock, so no live build owns it) removes it."""
+    path = write_jsonl(tmp_path / "data.jsonl", [conversation(0), conversation(1)])
+    final = Path(load([path], tmp_path, tiny_tokenizer).summary.cache_path)
+    shutil.rmtree(final)
+    killed = final.parent / f".{final.name}.k1ll3d00"
+    (killed / "work").mkdir(parents=True)
+    (killed / "work" / "source-0.arrow").write_bytes(b"half written")
+    assert load([path], tmp_path, tiny_tokenizer).summary.kept == 2
+    assert not killed.exists() and final.is_dir()
 
 
 def test_empty_files_contribute_nothing(tmp_path, tiny_tokenizer):

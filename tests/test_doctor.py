@@ -108,7 +108,9 @@ def test_inductor_default_matches_torch() -> None:
     assert torch_rule_inductor_dir() == torch_rule.default_cache_dir()
 
 
-def test_cache_under_tmp_is_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_a_cache_variable_under_tmp_is_a_warning_and_torchs_default_is_none(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     assert is_under_tmp("/tmp/torchinductor_root")
     assert is_under_tmp("/tmp")
     assert not is_under_tmp("/var/cache/dflash")
@@ -118,7 +120,18 @@ def test_cache_under_tmp_is_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert found["compile_cache"]["inductor_dir_from"] == "TORCHINDUCTOR_CACHE_DIR"
     assert found["compile_cache"]["triton_under_tmp"] is False
     warnings = [finding.message for finding in assess(found) if finding.level == "warning"]
-    assert any("inductor cache /tmp/torchinductor_root is under /tmp" in message for message in warnings)
+    assert (
+        "TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor_root is under /tmp: training refuses it unless "
+        "compile.inductor_dir is set"
+    ) in warnings
+    # torch's own default under /tmp is not what training uses (a per-key dir under the cache root)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    found = collect_fingerprint(search_path=[str(tmp_path)])
+    assert (
+        found["compile_cache"]["inductor_under_tmp"]
+        and found["compile_cache"]["inductor_dir_from"] == "torch default"
+    )
+    assert not [finding for finding in assess(found) if "under /tmp" in finding.message]
 
 
 def test_source_without_bytecode_that_none_can_be_written_for_is_a_warning(

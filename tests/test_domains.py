@@ -89,7 +89,7 @@ def test_a_domain_that_is_not_a_string_is_a_malformed_record_named_by_its_place(
     dataset = load([str(write_jsonl(tmp_path / "c.jsonl", records))], tmp_path, tiny_tokenizer)
     assert (dataset.summary.kept, dataset.summary.malformed) == (2, 1)
     assert dataset.summary.malformed_examples == [
-        f"{tmp_path / 'c.jsonl'} record 1: `domain` must be a string, got int 7"
+        f"{tmp_path / 'c.jsonl'} line 2: `domain` must be a string, got int 7"
     ]
     assert dataset.domains == ["code", "math"]
 

@@ -6,16 +6,21 @@ variable in the environment, an edited lock, a recorded start of another stack."
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from app.config import load_config
 from app.env import assess, collect_fingerprint, diff_fingerprints, read_starts, recorded_fingerprint
 from app.env.compiler_flags import degrading_flags, recorded_compiler_env
 from app.env.lock_closure import required_packages
 from app.env.project import code_hashes
 from app.env.record import ENVIRONMENT_RECORD, append_start
 from app.errors import UserError
+from app.telemetry.reporter import RunStart
+from app.telemetry.status import StatusFile
 from app.telemetry.status_report import render_status
 from app.train.ranks import run_drafter_rank
 from app.train.trainer import Trainer
@@ -53,7 +58,7 @@ def test_train_refuses_a_drifted_environment_before_loading_anything(
         "to train anyway, set train.allow_environment_drift=true (the run's status then says DEGRADED)"
     )
     assert "Traceback" not in done.stderr and "Loading weights" not in done.stdout + done.stderr
-    assert not run_dir.exists() or not any(run_dir.iterdir())
+    assert not run_dir.exists()  # the refused fresh start removed the directory it had made
 
 
 def test_an_allowed_drift_trains_degraded_and_every_start_is_recorded(
@@ -76,6 +81,8 @@ def test_an_allowed_drift_trains_degraded_and_every_start_is_recorded(
     starts = read_starts(tmp_path)
     assert [(start.start, start.step, start.good) for start in starts] == [(1, 0, True), (2, 1, False)]
     assert "sglang 0.5.3" in starts[1].accepted[0]
+    # each start keeps the settings it trained with (config.json is the newest start's)
+    assert [start.config["train"]["allow_environment_drift"] for start in starts] == [False, True]
     assert "packages.stray.sglang" in starts[1].accepted[1]  # and it differs from start 1
     assert any(
         line.startswith("warning: DEGRADED start, accepted by train.allow_environment_drift")
@@ -147,12 +154,15 @@ def test_compiler_variables_are_recorded_and_the_degrading_ones_are_problems(
             "TORCH_LOGS": "recompiles",  # recorded, harmless
             "TORCH_CACHING_PRECOMPILE": "1",
             "TORCH_STRICT_PRECOMPILE": "0",  # recorded, harmless
+            "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1",  # numerics: recorded
+            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
             "PATH": "/usr/bin",
         }
     )
     assert list(recorded) == [
-        "TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TORCHINDUCTOR_FX_GRAPH_CACHE",
-        "TORCH_CACHING_PRECOMPILE", "TORCH_LOGS", "TORCH_STRICT_PRECOMPILE",
+        "CUBLAS_WORKSPACE_CONFIG", "TORCHDYNAMO_DISABLE", "TORCHINDUCTOR_AUTOGRAD_CACHE",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "TORCH_CACHING_PRECOMPILE",
+        "TORCH_LOGS", "TORCH_STRICT_PRECOMPILE",
     ]  # fmt: skip
     assert [flag.name for flag, _ in degrading_flags(recorded)] == [
         "TORCHDYNAMO_DISABLE",
@@ -175,6 +185,8 @@ def test_compiler_variables_are_recorded_and_the_degrading_ones_are_problems(
         "compiler_env.TORCH_LOGS": False,
         "compiler_env.TORCH_CACHING_PRECOMPILE": True,
         "compiler_env.TORCH_STRICT_PRECOMPILE": False,
+        "compiler_env.TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": False,
+        "compiler_env.CUBLAS_WORKSPACE_CONFIG": False,
     }
 
 
@@ -232,3 +244,43 @@ def test_plain_doctor_fails_on_a_lock_that_adds_a_package(tmp_path: Path) -> Non
     ]
     assert problems[0].fix == "./uvw sync (in the image: rebuild it from uv.lock)"
     assert not [f for f in assess(collect_fingerprint()) if f.level == "problem"]  # the real lock: in sync
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True,
+        capture_output=True,
+    )
+
+
+def test_edits_against_the_commit_are_recorded_and_an_edited_lock_is_a_problem(tmp_path: Path) -> None:
+    """A checkout whose uv.lock and one file of app/ differ from its commit: the fingerprint names
+    both; the lock is a problem whose fix restores it (`./uvw sync --locked` alone would install the
+    edit); the code edit is no problem, but a run started there says so in `dflash status`."""
+    repo = tmp_path / "checkout"
+    (repo / "app").mkdir(parents=True)
+    for name in ("pyproject.toml", "uv.lock"):
+        shutil.copy(ROOT / name, repo / name)
+    (repo / "app" / "loop.py").write_text("STEPS = 1\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "clean")
+    assert collect_fingerprint(project_root=repo)["project"]["changed"] == []
+    (repo / "app" / "loop.py").write_text("STEPS = 2\n")
+    with (repo / "uv.lock").open("a") as handle:
+        handle.write("# pinned by hand\n")
+    found = collect_fingerprint(project_root=repo)
+    assert found["project"]["changed"] == ["app/loop.py", "uv.lock"]
+    problems = [finding for finding in assess(found) if finding.level == "problem"]
+    revision = found["project"]["revision"][:12]
+    assert [(f.message, f.fix) for f in problems] == [
+        (
+            f"uv.lock differs from commit {revision} (edited): the lock no longer pins what the commit pins",
+            "git checkout uv.lock, then ./uvw sync --locked (or commit the edit, if it is meant)",
+        )
+    ]
+    run_dir = tmp_path / "run"
+    StatusFile(load_config(ROOT / "configs" / "tiny.toml")).on_start(RunStart(run_dir, {}, found, {}))
+    text, _ = render_status(run_dir)
+    assert f"code: 2 files differ from commit {revision}: app/loop.py, uv.lock" in text.splitlines()

@@ -133,6 +133,24 @@ def test_torchrun_of_another_node_shape_is_refused(monkeypatch) -> None:
     assert layout_from_environment(topology).role == "drafter"
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "least"),
+    [("WORLD_SIZE", "abc", 1), ("RANK", "1.5", 0), ("LOCAL_RANK", "-1", 0), ("LOCAL_WORLD_SIZE", "", 1),
+     ("GROUP_WORLD_SIZE", "0", 1)],
+)  # fmt: skip
+def test_a_torchrun_variable_that_is_no_integer_is_named(
+    monkeypatch, name: str, value: str, least: int
+) -> None:
+    """Read with a bare int() these were a ValueError traceback; now one line naming the variable."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UserError) as refused:
+        layout_from_environment(TopologyConfig())
+    assert str(refused.value) == (
+        f"{name}={value}: expected an integer >= {least} (torchrun sets it in each process it starts; "
+        f"outside torchrun, unset {name})"
+    )
+
+
 # ---- two torchrun agents, end to end ------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
 from tests.helpers import (
     SMALL,
     StopAtStep,
+    dflash,
     random_target_config,
     run_dflash_with_file_size_limit,
     small_config,
@@ -322,16 +323,25 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(
         Trainer(config, resume=True, log=quiet)
 
 
-def test_a_non_finite_step_is_never_checkpointed(tiny_lm_dir, tiny_conversations, tmp_path: Path) -> None:
-    """An absurd learning rate: the run stops at the first non-finite step, before the save of that
-    step, on a step that logs nothing (the check does not wait for a log line)."""
-    config = small_config(
-        tiny_conversations, tmp_path, "train.max_steps=6", "train.save_every=1", "telemetry.log_every=100",
-        "train.lr=1e12", "train.warmup_ratio=0", "train.grad_clip=1e30",
+def test_a_non_finite_step_is_never_checkpointed(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """An absurd learning rate through `dflash train`: the run stops at the first non-finite step,
+    before the save of that step, on a step that logs nothing (the check does not wait for a log
+    line); a job failure, exit 1, with the one line that says what to do and no traceback."""
+    done = dflash(
+        capsys, monkeypatch, "train", str(ROOT / "configs" / "tiny.toml"), *SMALL,
+        f"data.train_files=['{tiny_conversations}']", f"train.output_dir={tmp_path}", "train.max_steps=6",
+        "train.save_every=1", "telemetry.log_every=100", "train.lr=1e12", "train.warmup_ratio=0",
+        "train.grad_clip=1e30",
     )  # fmt: skip
-    with pytest.raises(NonFiniteLoss, match=r"non-finite loss at step (\d+)") as stopped:
-        Trainer(config, log=quiet).run()
-    bad_step = int(re.search(r"step (\d+)", str(stopped.value)).group(1))
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    stopped = re.fullmatch(
+        r"dflash: failed: non-finite loss at step (\d+) \(.*\); resume .*", done.stderr.splitlines()[-1]
+    )
+    assert stopped is not None, done.stderr
+    bad_step = int(stopped.group(1))
     saved = complete_checkpoints(checkpoint_root(tmp_path))
     assert all(int(path.name.removeprefix("step_")) < bad_step for path in saved)
     for path in saved:

@@ -33,12 +33,14 @@ from safetensors.torch import load_file, save_file
 
 from app.atomic import (
     fsync_tree,
+    remove_abandoned_temp_files,
     replace_directory,
     staging_directory,
     write_bytes_atomic,
     write_json_atomic,
     write_text_atomic,
 )
+from app.checkpoint.run_dir import require_run_to_resume
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -147,11 +149,16 @@ def latest_checkpoint(root: Path) -> Path | None:
 def check_run_directory(run_dir: str | Path, resume: bool) -> None:
     """Before anything heavy loads: make sure the run directory can be written (not hours later, at
     the first checkpoint), remove what a killed write left, and refuse to start a new run in a
-    directory holding another run's checkpoints (the two would mix, and pruning would delete the new ones)."""
+    directory holding another run's checkpoints (the two would mix, and pruning would delete the new ones).
+    What a SIGKILL left is removed: a status or config file's temp file, a checkpoint's staging."""
+    if resume:
+        require_run_to_resume(run_dir)
     _require_writable(Path(run_dir))
+    remove_abandoned_temp_files(run_dir)
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return
+    remove_abandoned_temp_files(root)
     remove_abandoned_staging(root)
     existing = complete_checkpoints(root)
     if existing and not resume:
@@ -171,8 +178,15 @@ def _require_writable(run_dir: Path) -> None:
         probe.unlink()
     except OSError as error:
         file = next((path for path in (run_dir, *run_dir.parents) if path.is_file()), None)
+        # a link to nowhere: a loop, or a target that is gone (mkdir says "File exists" of it)
+        broken = next((p for p in (run_dir, *run_dir.parents) if p.is_symlink() and not p.exists()), None)
         if file is not None:  # mkdir's own words ("File exists", "Not a directory") do not say which
             reason = f"{'it' if file == run_dir else file} is a file, not a directory"
+        elif broken is not None:
+            where = "it" if broken == run_dir else str(broken)
+            reason = (
+                f"{where} is a symlink to {os.readlink(broken)}, which does not resolve (a loop, or gone)"
+            )
         else:
             reason = f"cannot create or write files there ({error.strerror or error})"
         raise UserError(f"train.output_dir = {run_dir}: {reason}") from None

@@ -1,6 +1,7 @@
 """The `dflash` command: one subcommand per stage of the flow.
 
-Exit codes: 0 ok, 1 the job failed, 2 bad usage or bad input (a one-line message naming what).
+Exit codes: 0 ok, 1 the job failed (a `JobFailed` is one line, no traceback), 2 bad usage or bad
+input (a one-line message naming what).
 Stage modules are imported by their subcommand only, so `dflash --help` stays fast (no torch import).
 """
 
@@ -25,7 +26,7 @@ from app.cli import (
     status_cmd,
     train_cmd,
 )
-from app.errors import UserError
+from app.errors import JobFailed, UserError
 
 cli = typer.Typer(
     name="dflash",
@@ -76,6 +77,9 @@ def main() -> None:
     except UserError as error:
         print(f"dflash: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except JobFailed as error:
+        print(f"dflash: failed: {error}", file=sys.stderr)
+        sys.exit(1)
     except typer.Exit as done:
         sys.exit(done.exit_code)
     except typer.Abort:

@@ -35,11 +35,20 @@ def train(
     SIGTERM or Ctrl-C checkpoints after the current step and exits 143; `--resume` continues exactly.
     Multi-GPU topologies (topology.*) run under torchrun, one process per GPU (entrypoint.sh train).
     """
+    from app.checkpoint.run_dir import require_run_to_resume
     from app.config import load_config, require_builtin_packages
+    from app.paths import cache_root
+    from app.pipeline.roles import torchrun_variables
 
     run_config = load_config(config, overrides or [])
-    # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group is one line.
+    # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group, a
+    # torchrun variable that is no integer, a cache root under a regular file or a resume of no run is
+    # one line.
     require_builtin_packages(run_config.target.builtin)
+    torchrun_variables()
+    cache_root()
+    if resume:
+        require_run_to_resume(run_config.train.output_dir)
     from app.pipeline.distributed import wants_distributed
 
     if wants_distributed(run_config):
@@ -72,7 +81,7 @@ def _train_rank(run_config, resume: bool) -> None:
 
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-    from app.errors import UserError
+    from app.errors import JobFailed, UserError
     from app.pipeline.distributed import start_runtime
 
     runtime = start_runtime(run_config, _print)
@@ -96,7 +105,8 @@ def _train_rank(run_config, resume: bool) -> None:
     except BaseException as error:
         if _report_failure(runtime, error):
             error_file.record_exception(error)
-            traceback.print_exc()  # the job's first failure: its traceback is the one worth reading
+            if not isinstance(error, JobFailed):  # its line, printed above, says all of it
+                traceback.print_exc()  # the job's first failure: its traceback is the one worth reading
         else:
             time.sleep(FOLLOWER_EXIT_DELAY_S)  # let the agent see the first failure's rank exit first
         exit_code = 1

@@ -49,6 +49,11 @@ def load_config(
     else:
         path = Path(source)
         if path.is_dir():
+            if not (path / RUN_CONFIG_FILE).is_file():
+                raise ConfigError(
+                    f"{path}: a directory without {RUN_CONFIG_FILE}, so not a run directory; expected a "
+                    ".toml, .yaml, .yml or .json config file, or a run directory"
+                )
             path = path / RUN_CONFIG_FILE
         raw, name = _read_file(path), str(path)
     set_by = {_apply_override(raw, override): override for override in overrides}
@@ -145,7 +150,7 @@ def _check_against_target(config: RunConfig, source: str) -> None:
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
-    text = path.read_text()
+    text = _read_text(path)
     try:
         if path.suffix == ".toml":
             raw = tomllib.loads(text)
@@ -173,6 +178,24 @@ def _read_file(path: Path) -> dict[str, Any]:
     return raw
 
 
+def _read_text(path: Path) -> str:
+    """The file's text; bytes that are not UTF-8 (every format read here is UTF-8) are named by line and
+    column, not left to a decoder's traceback."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the config file ({error.strerror or error})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text: byte {data[error.start : error.start + 1]!r} at line {line}, column "
+            f"{column} ({error.reason}); save the file as UTF-8"
+        ) from None
+
+
 def _apply_override(raw: dict[str, Any], override: str) -> str:
     """`section.field=value`: the value is parsed as a TOML value when it is one, else kept as text;
     for a list field, bare text is a comma-separated list (`a.jsonl`, `a.jsonl,b.jsonl`,
@@ -192,6 +215,11 @@ def _apply_override(raw: dict[str, Any], override: str) -> str:
     _check_known(parts[-1], model, ".".join(parts[:-1]), source=f"override {override!r}")
     value = _parse_value(text.strip())
     if isinstance(value, str) and model is not None and _is_list_field(model, parts[-1]):
+        if value.startswith("[") != value.endswith("]"):  # a cut list, not a file named "[unclosed"
+            raise ConfigError(
+                f"override {override!r}: {'.'.join(parts)}: a list with unbalanced brackets; expected "
+                "[a, b] or a,b"
+            )
         value = [item.strip().strip("'\"") for item in value.strip("[]").split(",") if item.strip()]
     node[parts[-1]] = value
     return ".".join(parts)

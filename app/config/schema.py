@@ -585,4 +585,13 @@ class RunConfig(Section):
             raise ValueError(
                 f"train.anchors: must be <= data.token_budget ({self.data.token_budget}), got {self.train.anchors}"
             )
+        # A training sample needs 2 x block_size supervised tokens (app.data.dataset) and is cut to
+        # max_length: past it every sample would be dropped as too short, after tokenizing them all.
+        needed = 2 * self.drafter.block_size
+        if needed > self.data.max_length:
+            raise ValueError(
+                f"drafter.block_size: a training sample needs 2 x block_size = {needed} supervised tokens, "
+                f"more than data.max_length ({self.data.max_length}) holds; got block_size "
+                f"{self.drafter.block_size}"
+            )
         return self

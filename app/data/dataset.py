@@ -14,6 +14,8 @@ model is loaded.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import fcntl
 import functools
 import gzip
 import hashlib
@@ -22,10 +24,10 @@ import logging
 import os
 import shutil
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import datasets
 import numpy as np
@@ -45,6 +47,7 @@ from app.data.formats import (
     record_domain,
     require_format_column,
 )
+from app.data.sources import Source, resolve_sources
 from app.data.textfiles import open_binary, require_utf8
 from app.data.tokenize import ChatTokenizer, TokenizedSample
 from app.errors import UserError
@@ -63,16 +66,6 @@ SUMMARY_FILE = "summary.json"
 JSON_LINE_COLUMN = "_json_line"
 """Raw-text column used when a json file has lines that are not valid JSON."""
 
-SourceKind = Literal["json", "parquet", "arrow", "disk"]
-SHARD_KINDS: tuple[tuple[str, SourceKind], ...] = (
-    (".parquet", "parquet"),
-    (".arrow", "arrow"),
-    (".jsonl", "json"),
-    (".jsonl.gz", "json"),
-    (".json", "json"),
-    (".json.gz", "json"),
-)
-
 TOKENIZED_FEATURES = datasets.Features(
     {
         "input_ids": datasets.List(datasets.Value("int32")),
@@ -86,16 +79,6 @@ TOKENIZED_FEATURES = datasets.Features(
     }
 )
 BOOKKEEPING_COLUMNS = ["truncated", "status", "reason"]
-
-
-@dataclass
-class Source:
-    """Files read as one `datasets.Dataset`."""
-
-    kind: SourceKind
-    files: list[Path]
-    label: str
-    """How messages name it: the file or directory the user listed."""
 
 
 @dataclass
@@ -141,14 +124,37 @@ class DataSummary:
 
 @dataclass
 class RecordLocator:
-    """Maps a row of a multi-file source back to (file, record index) for messages."""
+    """Maps a row of a source back to where it is for messages: the line of a JSON lines file, else the
+    file of a multi-file source and the (0-based) record index in it."""
 
     files: list[str]
     starts: list[int]
+    lines_of: Path | None = None
+    """A JSON lines file: its rows are named by line number, as an editor shows them."""
 
     def __call__(self, row: int) -> str:
+        if self.lines_of is not None:
+            stat = self.lines_of.stat()
+            return f"{self.files[0]} line {_record_lines(self.lines_of, stat.st_mtime_ns, stat.st_size)[row]}"
         file = bisect.bisect_right(self.starts, row) - 1
         return f"{self.files[file]} record {row - self.starts[file]}"
+
+
+@functools.lru_cache(maxsize=4)
+def _record_lines(path: Path, mtime_ns: int, size: int) -> list[int]:
+    """The 1-based number of each line of a JSON lines file that holds a record: the json reader and
+    the line-by-line fallback both skip blank lines. Read only once a record is malformed."""
+    with open_binary(path) as handle:
+        return [number for number, line in enumerate(handle, start=1) if line.strip()]
+
+
+def _is_json_lines(path: Path) -> bool:
+    """Whether a json file is JSON lines rather than one top-level array of records."""
+    with open_binary(path) as handle:
+        while chunk := handle.read(4096):
+            if stripped := chunk.lstrip():
+                return not stripped.startswith(b"[")
+    return True
 
 
 class TokenizedDataset:
@@ -202,26 +208,53 @@ def load_tokenized(
     key = cache_key(sources, tokenizer, data, min_supervised_tokens)
     final = root / key
     if (final / SUMMARY_FILE).is_file():
-        summary = DataSummary(**json.loads((final / SUMMARY_FILE).read_text()))
-        summary.cache_hit = True
-        log.info("tokenized data: cache hit at %s (%d samples)", final, summary.kept)
-        return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
-
+        return _cache_hit(final)
     root.mkdir(parents=True, exist_ok=True)
-    build = staging_directory(root / key)
-    try:
-        rows, summary = _tokenize_sources(sources, chat, data, min_supervised_tokens, build, key)
-        summary.cache_path = str(final)
-        rows.save_to_disk(str(build / "dataset"))
-        (build / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=1))
-        shutil.rmtree(build / "work")
+    with _building_in(root):
+        # The lock holder is the only builder here, so a staging directory of this key is a killed
+        # build's; and a process that waited for another one's build of this key reads it.
+        if (final / SUMMARY_FILE).is_file():
+            return _cache_hit(final)
+        for abandoned in root.glob(f".{key}.*"):
+            if abandoned.is_dir():
+                shutil.rmtree(abandoned, ignore_errors=True)
+        build = staging_directory(root / key)
         try:
-            os.rename(build, final)
-        except OSError:
-            log.info("tokenized data: another process finished %s first; using it", final)
-    finally:
-        shutil.rmtree(build, ignore_errors=True)
+            rows, summary = _tokenize_sources(sources, chat, data, min_supervised_tokens, build, key)
+            summary.cache_path = str(final)
+            rows.save_to_disk(str(build / "dataset"))
+            (build / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=1))
+            shutil.rmtree(build / "work")
+            try:
+                os.rename(build, final)
+            except OSError:  # a host without a shared lock (another node, same cache_dir) came first
+                log.info("tokenized data: another process finished %s first; using it", final)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
     log.info("tokenized data: %d of %d records kept, cached at %s", summary.kept, summary.records, final)
+    return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
+
+
+@contextlib.contextmanager
+def _building_in(root: Path) -> Iterator[None]:
+    """Hold the cache directory's lock (flock on the directory itself: nothing is left behind), so
+    one process tokenizes into it at a time."""
+    handle = os.open(root, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("tokenized data: waiting for another process tokenizing into %s", root)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def _cache_hit(final: Path) -> TokenizedDataset:
+    summary = DataSummary(**json.loads((final / SUMMARY_FILE).read_text()))
+    summary.cache_hit = True
+    log.info("tokenized data: cache hit at %s (%d samples)", final, summary.kept)
     return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
 
 
@@ -262,28 +295,6 @@ def split_holdout(
     return dataset.select(train.tolist()), dataset.select(held_out.tolist())
 
 
-def resolve_sources(files: Sequence[str]) -> list[Source]:
-    """What to read for each configured path; a path that cannot be data is a `UserError`."""
-    sources = []
-    for entry in files:
-        path = Path(entry).expanduser()
-        if not path.exists():
-            raise UserError(f"data file not found: {entry}")
-        if path.is_file():
-            kind = _shard_kind(path)
-            if kind is None:
-                raise UserError(
-                    f"{entry}: unsupported data file (expected .jsonl, .json, .parquet, .arrow "
-                    f"or a directory)"
-                )
-            sources.append(Source(kind, [path], str(path)))
-        elif any((path / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
-            sources.append(Source("disk", [path], str(path)))
-        else:
-            sources += _shard_sources(path)
-    return sources
-
-
 def cache_key(
     sources: Sequence[Source],
     tokenizer: PreTrainedTokenizerBase,
@@ -317,28 +328,6 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     digest.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
     digest.update(json.dumps([tokenizer.pad_token, tokenizer.eos_token]).encode())
     return digest.hexdigest()
-
-
-def _shard_kind(path: Path) -> SourceKind | None:
-    return next((kind for suffix, kind in SHARD_KINDS if path.name.endswith(suffix)), None)
-
-
-def _shard_sources(directory: Path) -> list[Source]:
-    """A directory of shards: files of one kind only (parquet first), so a side file such as a
-    datagen rejects log next to parquet shards is never read as training data."""
-    shards = sorted(
-        path
-        for path in directory.rglob("*")
-        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts)
-    )
-    for wanted in ("parquet", "arrow", "json"):
-        chosen = [path for path in shards if _shard_kind(path) == wanted]
-        if not chosen:
-            continue
-        if wanted == "parquet":  # one dataset: datagen writes many small shards of one schema
-            return [Source("parquet", chosen, str(directory))]
-        return [Source(wanted, [path], str(path)) for path in chosen]
-    raise UserError(f"{directory}: no .parquet, .arrow, .jsonl or .json files inside")
 
 
 def _tokenize_sources(
@@ -395,14 +384,16 @@ def _read_source(
             raw = _single_split(datasets.load_from_disk(str(source.files[0])), source.label)
         elif source.kind == "json":
             require_utf8(source.files[0])
+            if _is_json_lines(source.files[0]):
+                locator = RecordLocator([source.label], [0], lines_of=source.files[0])
             # the json reader logs its parse error, which the fallback handles: its line would mislead
             reader_log = logging.getLogger("datasets.packaged_modules.json.json")
             level = reader_log.level
             reader_log.setLevel(logging.CRITICAL)
             try:
                 raw = _load(source, raw_cache)
-            # some lines are not JSON (keep the rest, count those), or the file is empty
-            except (DatasetGenerationError, StopIteration):
+            # some lines are not JSON (keep the rest, count those), or the file is empty or blank
+            except (DatasetGenerationError, StopIteration, ValueError):
                 raw = _json_lines(source.files[0])
                 if len(raw) and (error := _unreadable_json(source.files[0], raw)) is not None:
                     raise error from None

@@ -2,8 +2,9 @@
 
 They never show in the package list, yet `TORCHDYNAMO_DISABLE=1` left in a shell profile runs every
 kernel eager and `TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` makes every start ignore the baked compile
-cache. The fingerprint records every variable of these families; the ones in `DEGRADING` are
-problems a run refuses to start with.
+cache; `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1` changes the numerics of every fp32 matmul. The fingerprint
+records every variable of these families; the ones in `DEGRADING` are problems a run refuses to start
+with.
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-RECORDED_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE_", "TRITON_", "PYTORCH_")
+RECORDED_PREFIXES = (
+    "TORCHDYNAMO_",
+    "TORCHINDUCTOR_",
+    "TORCH_COMPILE_",
+    "TRITON_",
+    "PYTORCH_",
+    "TORCH_CUDNN_",
+)
 RECORDED_NAMES = (
     "TORCH_LOGS", "TORCH_CACHING_PRECOMPILE", "TORCH_STRICT_PRECOMPILE", "CUDA_LAUNCH_BLOCKING",
-    "NVIDIA_TF32_OVERRIDE",
+    # numerics: which matmul precision and kernels run, and the order a reduction sums in
+    "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUBLAS_WORKSPACE_CONFIG",
+    "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_BLAS_PREFER_HIPBLASLT", "NCCL_ALGO", "NCCL_PROTO",
 )  # fmt: skip
 _FALSE = {"", "0", "false", "no", "off"}
 

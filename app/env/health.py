@@ -13,6 +13,7 @@ from typing import Any, Literal
 from app.env.compiler_flags import degrading_flags
 from app.env.fingerprint import FAST_KERNELS
 from app.env.packages import is_core_stack
+from app.env.project import LOCK_FILE
 
 Level = Literal["problem", "warning", "info"]
 SYNC = "./uvw sync (in the image: rebuild it from uv.lock)"
@@ -34,6 +35,7 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
     """Findings for one fingerprint, problems first."""
     found = [
         *_torch_findings(fingerprint),
+        *_lock_edit_findings(fingerprint),
         *_package_findings(fingerprint),
         *_compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
@@ -53,6 +55,22 @@ def _torch_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     error = fingerprint["torch"].get("import_error")
     fix = "./uvw sync --reinstall-package torch (in the image: rebuild it)"
     return [Finding("problem", f"torch does not import: {error}", fix)] if error else []
+
+
+def _lock_edit_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """uv.lock edited against the checkout's commit: `./uvw sync --locked` would install the edit (a
+    broken one does not even parse), so the fix is to restore the file first."""
+    project = fingerprint.get("project") or {}
+    if LOCK_FILE not in (project.get("changed") or []):
+        return []
+    commit = (project.get("revision") or "?")[:12]
+    return [
+        Finding(
+            "problem",
+            f"{LOCK_FILE} differs from commit {commit} (edited): the lock no longer pins what the commit pins",
+            f"git checkout {LOCK_FILE}, then ./uvw sync --locked (or commit the edit, if it is meant)",
+        )
+    ]
 
 
 def _package_findings(fingerprint: dict[str, Any]) -> list[Finding]:
@@ -127,15 +145,21 @@ def _compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:
 
 
 def _cache_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """A cache dir under /tmp that a variable sets. Torch's and Triton's own defaults are no finding:
+    training and build-cache never use them (they pick a per-key dir under the dflash cache root,
+    app.compile.environment), so on a clean machine the warning was about nothing that runs."""
     cache = fingerprint.get("compile_cache") or {}
     found = []
-    for kind, variable in (("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR")):
-        if cache.get(f"{kind}_under_tmp"):
+    for kind, variable, effect in (
+        ("inductor", "TORCHINDUCTOR_CACHE_DIR", "training refuses it unless compile.inductor_dir is set"),
+        ("triton", "TRITON_CACHE_DIR", "cleanups delete compiled kernels"),
+    ):
+        if cache.get(f"{kind}_under_tmp") and cache.get(f"{kind}_dir_from") == variable:
             found.append(
                 Finding(
                     "warning",
-                    f"{kind} cache {cache[f'{kind}_dir']} is under /tmp, where cleanups delete compiled kernels",
-                    f"export {variable}=~/.cache/dflash/{kind} (or another persistent directory)",
+                    f"{variable}={cache[f'{kind}_dir']} is under /tmp: {effect}",
+                    f"export {variable}=~/.cache/dflash/{kind} (or another persistent directory), or unset it",
                 )
             )
     return found

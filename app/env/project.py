@@ -10,6 +10,8 @@ from pathlib import Path
 
 PROJECT_NAME = "dflash-appliance"
 GIT_TIMEOUT_S = 5.0
+LOCK_FILE = "uv.lock"
+"""The lock, by its path from the project root (the checkout's root, where git names it so too)."""
 
 
 def find_project_root(starts: list[Path] | None = None) -> Path | None:
@@ -57,14 +59,17 @@ def code_hashes(package_dir: Path | None = None) -> dict[str, str]:
 
 
 def git_revision(root: Path | None) -> dict:
-    """HEAD's commit and whether tracked files differ from it; nulls outside a git checkout."""
+    """HEAD's commit, whether tracked files differ from it and which (paths from the checkout's root:
+    an edited `app/` file, or `uv.lock`); nulls outside a git checkout."""
     if root is None or not (root / ".git").exists() or shutil.which("git") is None:
-        return {"revision": None, "dirty": None}
+        return {"revision": None, "dirty": None, "changed": None}
     head = _git(root, "rev-parse", "HEAD")
     status = _git(root, "status", "--porcelain", "--untracked-files=no")
+    changed = _git(root, "diff", "--name-only", "HEAD", "--")
     return {
         "revision": head.strip() if head else None,
         "dirty": None if status is None else bool(status.strip()),
+        "changed": None if changed is None else sorted(changed.splitlines()),
     }
 
 

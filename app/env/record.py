@@ -2,7 +2,7 @@
 
 `environment.jsonl` holds one line per start of the run (the first, then each resume):
 
-    {"start": 2, "at": "...", "step": 1500, "accepted": [], "fingerprint": {...}}
+    {"start": 2, "at": "...", "step": 1500, "accepted": [], "fingerprint": {...}, "config": {...}}
 
 `accepted` lists what the start was allowed to run despite (`train.allow_environment_drift`): a start
 with nothing accepted is a **good start**, and "what changed since this run was last right" compares
@@ -35,6 +35,9 @@ class StartRecord:
     step: int
     accepted: list[str]
     fingerprint: dict[str, Any]
+    config: dict[str, Any] | None = None
+    """The resolved config this start trained with (config.json holds only the newest start's);
+    None in records from before it was kept."""
 
     @property
     def good(self) -> bool:
@@ -79,14 +82,20 @@ def last_good_start(run_dir: str | Path) -> StartRecord | None:
 
 
 def append_start(
-    run_dir: Path, fingerprint: dict[str, Any], *, step: int, accepted: list[str], new_run: bool
+    run_dir: Path,
+    fingerprint: dict[str, Any],
+    *,
+    step: int,
+    accepted: list[str],
+    new_run: bool,
+    config: dict[str, Any] | None = None,
 ) -> StartRecord:
     """Record this start. A new run begins a new record (a run directory without checkpoints may hold
     the record of an abandoned attempt); a resume appends to the run's."""
     path = run_dir / ENVIRONMENT_RECORD
     starts = [] if new_run else read_starts(run_dir)
     at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    record = StartRecord(len(starts) + 1, at, step, list(accepted), fingerprint)
+    record = StartRecord(len(starts) + 1, at, step, list(accepted), fingerprint, config)
     written = [] if path.is_file() else starts  # a legacy start goes into the record first
     text = "".join(
         json.dumps(asdict(entry), sort_keys=True, default=str) + "\n" for entry in [*written, record]

@@ -133,18 +133,51 @@ def layout_for(topology: TopologyConfig, rank: int, world_size: int, local_rank:
     return RankLayout(rank, world_size, local_rank, topology.nproc_per_node, targets, drafters)
 
 
+TORCHRUN_VARIABLES = {
+    "RANK": 0,
+    "LOCAL_RANK": 0,
+    "WORLD_SIZE": 1,
+    "LOCAL_WORLD_SIZE": 1,
+    "GROUP_WORLD_SIZE": 1,
+}
+"""The integers torchrun sets in each process it starts, and the least value each may take."""
+
+
+def torchrun_variables() -> dict[str, int]:
+    """The torchrun variables set in this process's environment, as integers; one that is not an
+    integer at least its minimum is a UserError naming it (`dflash train` checks them before torch
+    loads: a stray `WORLD_SIZE=abc` is a typo or a leftover export, not a traceback)."""
+    found = {}
+    for name, least in TORCHRUN_VARIABLES.items():
+        text = os.environ.get(name)
+        if text is None:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise UserError(
+                f"{name}={text}: expected an integer >= {least} (torchrun sets it in each process it starts; "
+                f"outside torchrun, unset {name})"
+            )
+        found[name] = value
+    return found
+
+
 def layout_from_environment(topology: TopologyConfig) -> RankLayout:
     """This process's layout from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process: rank 0 of 1),
     its node count and processes per node checked against the config's (GROUP_WORLD_SIZE /
     LOCAL_WORLD_SIZE: 4 processes as 1 node x 4 is another placement than 2 x 2)."""
+    variables = torchrun_variables()
     layout = layout_for(
         topology,
-        rank=int(os.environ.get("RANK", "0")),
-        world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        rank=variables.get("RANK", 0),
+        world_size=variables.get("WORLD_SIZE", 1),
+        local_rank=variables.get("LOCAL_RANK", 0),
     )
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", topology.nnodes))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", topology.nproc_per_node))
+    nodes = variables.get("GROUP_WORLD_SIZE", topology.nnodes)
+    per_node = variables.get("LOCAL_WORLD_SIZE", topology.nproc_per_node)
     if (nodes, per_node) != (topology.nnodes, topology.nproc_per_node):
         raise UserError(
             f"topology: the config lays out nnodes {topology.nnodes} x nproc_per_node "

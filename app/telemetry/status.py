@@ -278,6 +278,7 @@ def fingerprint_summary(fingerprint: dict[str, Any]) -> dict[str, Any]:
         "lock_sha256": ((fingerprint.get("lock") or {}).get("sha256") or "")[:16] or None,
         "stray_packages": len(packages.get("stray") or []),
         "revision": ((fingerprint.get("project") or {}).get("revision") or "")[:12] or None,
+        "changed": (fingerprint.get("project") or {}).get("changed"),
     }
 
 

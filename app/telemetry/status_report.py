@@ -20,6 +20,8 @@ from app.telemetry.status import read_status, seconds_since
 STALE_AFTER_S = 15 * 60
 """A running run whose status.json is older than this is probably dead (it is rewritten every few steps)."""
 EVENTS_SHOWN = 10
+CHANGED_FILES_SHOWN = 8
+"""Files named on the status's code line (a checkout with many edits ends in "and N more")."""
 CONFIG_KEYS_THAT_ALWAYS_DIFFER = {"train.output_dir", "telemetry.run_name", "storage.s3_uri"}
 
 
@@ -102,6 +104,7 @@ def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool
         f"progress: {_progress_line(status)}",
         f"throughput: {_throughput_line(status, comparison)}",
         f"compile: {_compile_line(status.get('compile'))}",
+        *_code_lines(status.get("fingerprint") or {}),
     ]
     if status.get("memory_gb"):
         allocated, reserved = status["memory_gb"]
@@ -197,6 +200,20 @@ def _throughput_line(status: dict[str, Any], comparison: Comparison | None) -> s
     if then:
         line += f"; last good run: {then / 1000:.1f}Ktok/s ({throughput['tokens_per_s'] / then:.0%} of it)"
     return line
+
+
+def _code_lines(fingerprint: dict[str, Any]) -> list[str]:
+    """The checkout's files that differed from its commit when the run last started (development is
+    allowed; a run of uncommitted code says so, as the commit alone would not reproduce it)."""
+    changed = fingerprint.get("changed") or []
+    if not changed:
+        return []
+    shown = ", ".join(changed[:CHANGED_FILES_SHOWN]) + (
+        f" and {len(changed) - CHANGED_FILES_SHOWN} more" if len(changed) > CHANGED_FILES_SHOWN else ""
+    )
+    return [
+        f"code: {len(changed)} file{'s' * (len(changed) != 1)} differ from commit {fingerprint.get('revision')}: {shown}"
+    ]
 
 
 def _health_lines(status: dict[str, Any], drifted: bool) -> list[str]:

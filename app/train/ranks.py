@@ -6,8 +6,10 @@ signal, after the state that matters is safe."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
+from app.checkpoint.run_dir import removed_if_left_empty
 from app.compile.prepare import prepare_target_rank
 from app.config import RunConfig
 from app.data.batching import BatchPlanner
@@ -35,8 +37,13 @@ def rank_telemetry(config: RunConfig, *, is_logger: bool = True) -> tuple[list[R
 
 def run_drafter_rank(config: RunConfig, runtime: Runtime | None, resume: bool, log: Log) -> TrainResult:
     """Train the drafter on this rank (`runtime` None: the whole run in this process)."""
-    reporters, watches = rank_telemetry(config, is_logger=runtime is None or runtime.layout.is_logger)
-    trainer = Trainer(config, resume=resume, log=log, runtime=runtime, reporters=reporters, watches=watches)
+    is_logger = runtime is None or runtime.layout.is_logger
+    reporters, watches = rank_telemetry(config, is_logger=is_logger)
+    # the logging rank creates the run directory (the others never touch it)
+    with removed_if_left_empty(config.train.output_dir) if is_logger else contextlib.nullcontext():
+        trainer = Trainer(
+            config, resume=resume, log=log, runtime=runtime, reporters=reporters, watches=watches
+        )
     return trainer.run()
 
 

@@ -36,7 +36,7 @@ from app.data.batching import BatchPlanner, DataCursor, plan_stats
 from app.data.tokenize import pad_token_id
 from app.env.guard import ALLOW_SETTING, check_environment
 from app.env.record import append_start
-from app.errors import UserError
+from app.errors import JobFailed, UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
@@ -81,7 +81,7 @@ class TrainingStopped(Exception):
         self.checkpoint = checkpoint
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(JobFailed):
     """The loss became NaN/inf: the run stops, naming the step and the batches that did it."""
 
     def __init__(self, step: int, round_: Round) -> None:
@@ -578,8 +578,9 @@ class Trainer:
         write_json_atomic(self.run_dir / "config.json", config)
         check = self.environment
         start = append_start(
-            self.run_dir, check.fingerprint, step=self.step, accepted=check.accepted, new_run=not self.resumed
-        )
+            self.run_dir, check.fingerprint, step=self.step, accepted=check.accepted, new_run=not self.resumed,
+            config=config,
+        )  # fmt: skip
         for line in start.accepted:
             self.log(f"warning: DEGRADED start, accepted by {ALLOW_SETTING}: {line}")
         environment = {"start": start.start, "accepted": start.accepted}

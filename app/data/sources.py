@@ -1,0 +1,74 @@
+"""Which files a `data.*_files` entry names, grouped into what is read as one `datasets.Dataset`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from app.errors import UserError
+
+SourceKind = Literal["json", "parquet", "arrow", "disk"]
+SHARD_KINDS: tuple[tuple[str, SourceKind], ...] = (
+    (".parquet", "parquet"),
+    (".arrow", "arrow"),
+    (".jsonl", "json"),
+    (".jsonl.gz", "json"),
+    (".json", "json"),
+    (".json.gz", "json"),
+)
+
+
+@dataclass
+class Source:
+    """Files read as one `datasets.Dataset`."""
+
+    kind: SourceKind
+    files: list[Path]
+    label: str
+    """How messages name it: the file or directory the user listed."""
+
+
+def resolve_sources(files: Sequence[str]) -> list[Source]:
+    """What to read for each configured path; a path that cannot be data is a `UserError`."""
+    sources = []
+    for entry in files:
+        path = Path(entry).expanduser()
+        if not path.exists():
+            raise UserError(f"data file not found: {entry}")
+        if path.is_file():
+            kind = _shard_kind(path)
+            if kind is None:
+                raise UserError(
+                    f"{entry}: unsupported data file (expected .jsonl, .json, .parquet, .arrow "
+                    f"or a directory)"
+                )
+            sources.append(Source(kind, [path], str(path)))
+        elif any((path / marker).is_file() for marker in ("state.json", "dataset_dict.json")):
+            sources.append(Source("disk", [path], str(path)))
+        else:
+            sources += _shard_sources(path)
+    return sources
+
+
+def _shard_kind(path: Path) -> SourceKind | None:
+    return next((kind for suffix, kind in SHARD_KINDS if path.name.endswith(suffix)), None)
+
+
+def _shard_sources(directory: Path) -> list[Source]:
+    """A directory of shards: files of one kind only (parquet first), so a side file such as a
+    datagen rejects log next to parquet shards is never read as training data."""
+    shards = sorted(
+        path
+        for path in directory.rglob("*")
+        if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts)
+    )
+    for wanted in ("parquet", "arrow", "json"):
+        chosen = [path for path in shards if _shard_kind(path) == wanted]
+        if not chosen:
+            continue
+        if wanted == "parquet":  # one dataset: datagen writes many small shards of one schema
+            return [Source("parquet", chosen, str(directory))]
+        return [Source(wanted, [path], str(path)) for path in chosen]
+    raise UserError(f"{directory}: no .parquet, .arrow, .jsonl or .json files inside")

@@ -1,0 +1,122 @@
+"""Bad inputs through the `dflash` command as a user types them, each in its own interpreter: exit 2,
+one line on standard error naming the file, field, variable or record and what was expected, no
+traceback, nothing left behind, and (for these) refused before torch loads, in about half a second.
+
+Bad inputs found only once the data or the target load are tested beside the code that finds them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+TORCH_MARKER = "(torch loaded: {})"
+DRIVER = (
+    "import atexit, sys\n"
+    f"atexit.register(lambda: print({TORCH_MARKER!r}.format('torch' in sys.modules), file=sys.stderr))\n"
+    "sys.argv = ['dflash', *sys.argv[1:]]\n"
+    "from app.cli import main\n"
+    "main()\n"
+)
+"""`python -m app` that says on exit whether torch was imported."""
+
+
+def non_utf8_config(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    (tmp / "bad.toml").write_bytes(b"# \xff\n[train]\nlr = 1\n")
+    return (
+        ["config", "show", str(tmp / "bad.toml")],
+        {},
+        f"{tmp / 'bad.toml'}: not UTF-8 text: byte b'\\xff' at line 1, column 3 (invalid start byte); "
+        "save the file as UTF-8",
+    )
+
+
+def directory_as_config(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", str(tmp), f"train.output_dir={tmp / 'run'}"],
+        {},
+        f"{tmp}: a directory without config.json, so not a run directory; expected a .toml, .yaml, .yml "
+        "or .json config file, or a run directory",
+    )
+
+
+def unclosed_list_override(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    override = "data.train_files=[unclosed"
+    return (
+        ["train", "configs/tiny.toml", override, f"train.output_dir={tmp / 'run'}"],
+        {},
+        f"override {override!r}: data.train_files: a list with unbalanced brackets; expected [a, b] or a,b",
+    )
+
+
+def torchrun_variable(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'run'}"],
+        {"WORLD_SIZE": "abc"},
+        "WORLD_SIZE=abc: expected an integer >= 1 (torchrun sets it in each process it starts; outside "
+        "torchrun, unset WORLD_SIZE)",
+    )
+
+
+def cache_under_a_file(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    (tmp / "file").write_text("")
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'run'}"],
+        {"DFLASH_CACHE": str(tmp / "file" / "cache")},
+        f"DFLASH_CACHE={tmp / 'file' / 'cache'}: {tmp / 'file'} is a file, not a directory; point "
+        "DFLASH_CACHE at a directory",
+    )
+
+
+def resume_of_no_run(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'mistyped'}", "--resume"],
+        {},
+        f"train.output_dir = {tmp / 'mistyped'}: does not exist, so there is no run to resume there; check "
+        "the path, or drop --resume to start a new run",
+    )
+
+
+def blocks_longer_than_samples(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", "configs/tiny.toml", "drafter.block_size=300", f"train.output_dir={tmp / 'run'}"],
+        {},
+        "configs/tiny.toml: drafter.block_size: a training sample needs 2 x block_size = 600 supervised "
+        "tokens, more than data.max_length (512) holds; got block_size 300",
+    )
+
+
+CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
+    non_utf8_config,
+    directory_as_config,
+    unclosed_list_override,
+    torchrun_variable,
+    cache_under_a_file,
+    resume_of_no_run,
+    blocks_longer_than_samples,
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.__name__ for case in CASES])
+def test_a_bad_input_is_one_line_exit_2_before_torch_loads(
+    tmp_path: Path, case: Callable[[Path], tuple[list[str], dict[str, str], str]]
+) -> None:
+    args, env, message = case(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [f"dflash: error: {message}", TORCH_MARKER.format(False)]
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, not even the run directory
