@@ -163,6 +163,19 @@ def test_sliding_window_layers_round_trip_as_layer_types(tiny_tokenizer, tmp_pat
     assert load_exported(out).arch == drafter.arch
 
 
+@pytest.mark.parametrize("window", [None, 12], ids=["no window", "a window no layer uses"])
+def test_a_full_attention_drafter_states_no_sliding_window(tiny_tokenizer, tmp_path: Path, window) -> None:
+    """An engine that reads `use_sliding_window` or a set `sliding_window` may window every layer: a
+    drafter trained with full attention would be served with a mask it never saw."""
+    drafter, target = build(sliding_window=window)
+    out = export_drafter(drafter, tmp_path / "export", target, tokenizer=tiny_tokenizer)
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention", "full_attention"]
+    assert (config["use_sliding_window"], config["sliding_window"]) == (False, None)
+    parsed = AutoConfig.from_pretrained(out)
+    assert not parsed.use_sliding_window and parsed.sliding_window is None
+
+
 def test_export_refuses_a_drafter_that_does_not_fit_the_target(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build()
     small_vocab = Qwen3Config(**{**target.to_dict(), "vocab_size": MASK})
