@@ -29,7 +29,7 @@ from tests.helpers import (
     SMALL_MASK,
     SMALL_TARGET_LAYERS,
     SMALL_VOCAB,
-    run_dflash,
+    dflash,
     small_drafter_raw_config,
 )
 
@@ -259,11 +259,15 @@ def test_trained_drafter_loads_from_a_run_or_a_checkpoint_directory(tmp_path: Pa
         load_trained_drafter(run_dir).build()
 
 
-def test_export_cli_writes_a_loadable_export(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_export_cli_writes_a_loadable_export(
+    tiny_tokenizer_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The `dflash` entry point in this process: a new interpreter cost ~10 s of CPU and tested nothing
+    more here (`python -m app` itself runs in the tests that call `run_dflash`)."""
     drafter, _ = build(seed=9)
     run_dir = make_run_dir(tmp_path, drafter, tiny_tokenizer_dir, step=12)
     out = tmp_path / "exported"
-    done = run_dflash("export", str(run_dir), "--out", str(out), "--dtype", "fp32")
+    done = dflash(capsys, monkeypatch, "export", str(run_dir), "--out", str(out), "--dtype", "fp32")
     assert done.returncode == 0, done.stderr
     assert "exported step 12" in done.stdout and "target_layer_ids [1, 5]" in done.stdout
     assert f"mask_token_id {MASK} ({MASK_TOKEN!r})" in done.stdout

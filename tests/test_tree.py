@@ -16,7 +16,7 @@ from app.evaluate.speculative import CachedTarget, speculative_generate
 from app.evaluate.tree import _masked_forward, tree_verification_inputs, verified_tree_decode
 from app.model.drafter import DFlashDrafter
 from app.model.tree import build_tree
-from tests.helpers import run_dflash
+from tests.helpers import dflash
 from tests.test_speculative import greedy_reference, random_target_config, single_thread, target_and_drafter  # noqa: F401 (a fixture)
 from tests.test_target import ARCHITECTURES
 
@@ -265,11 +265,24 @@ def test_a_tree_verified_on_the_kv_cache_gives_the_logits_and_features_of_the_un
     assert session.cache.get_seq_length() == len(accepted)
 
 
-def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target(tmp_path):
+def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target(
+    tmp_path, capsys, monkeypatch
+):
+    """The `dflash` entry point in this process: a new interpreter per call cost ~10 s of CPU each."""
     config = tmp_path / "tree.json"
     config.write_text(json.dumps(random_target_config()))
-    result = run_dflash(
-        "bench", "tree", str(config), "--budgets", "2,16", "--context", "24", "--repeats", "2"
+    result = dflash(
+        capsys,
+        monkeypatch,
+        "bench",
+        "tree",
+        str(config),
+        "--budgets",
+        "2,16",
+        "--context",
+        "24",
+        "--repeats",
+        "2",
     )
     assert result.returncode == 0, result.stderr
     assert "drafter block forward (draft_logits):" in result.stdout
@@ -281,7 +294,7 @@ def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target
     hybrid = tmp_path / "hybrid.json"
     hybrid.write_text(json.dumps({"target": {"architecture": ARCHITECTURES["qwen3_5_text"]},
                                   "drafter": {"num_layers": 1, "mask_token_id": 3}}))  # fmt: skip
-    refused = run_dflash("bench", "tree", str(hybrid))
+    refused = dflash(capsys, monkeypatch, "bench", "tree", str(hybrid))
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         "dflash: error: bench tree: the target has linear-attention layers, which take no ancestor "
