@@ -15,6 +15,7 @@ from app.model.attention import (
     training_attention,
     training_block_mask,
 )
+from app.model.flops import visible_pairs
 
 BLOCK = 4
 
@@ -112,6 +113,13 @@ def row(request):
 @pytest.mark.parametrize("window", [None, 9, 2])  # 2 < BLOCK: early block slots leave the window
 def test_dense_mask_equals_brute_force(row, window):
     assert torch.equal(dense_training_mask(row, BLOCK, window), brute_force_mask(row, BLOCK, window))
+
+
+@pytest.mark.parametrize("window", [None, 9, 2, 1])  # 2 and 1 < BLOCK: late slots see no context
+def test_the_flop_counts_attention_pairs_are_the_masks_even_with_a_window_smaller_than_the_block(row, window):
+    """The MFU's attention term counts what the mask lets through: with a window under the block size
+    a late slot sees no context at all (not a negative count) and only the last `window` block slots."""
+    assert int(visible_pairs(row, BLOCK, window)) == int(brute_force_mask(row, BLOCK, window).sum())
 
 
 @pytest.mark.parametrize("window", [None, 9, 2])

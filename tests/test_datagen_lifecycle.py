@@ -3,6 +3,7 @@ changed config refused on a rerun, one run per output dir, and its output traine
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import re
@@ -183,6 +184,45 @@ def test_changed_sampling_settings_are_refused(scripted: ScriptedServer, tmp_pat
         run_datagen(make_config(prompts, output, [scripted.url], temperature=0.7), quiet_console())
     again = run_datagen(make_config(prompts, output, [scripted.url]), quiet_console())
     assert (again.done, again.resumed) == (1, 2)
+
+
+# Each setting the records of an output directory share, changed alone, and how the refusal names it.
+SETTING_CHANGES = {
+    "temperature": (0.7, "temperature 0.0 -> 0.7"),
+    "top_p": (0.9, "top_p 1.0 -> 0.9"),
+    "max_tokens": (16, "max_tokens 8 -> 16"),
+    "seed": (5, "seed None -> 5"),
+    "reasoning": ("drop", "reasoning 'keep' -> 'drop'"),
+    "chat_template_kwargs": (
+        {"enable_thinking": True},
+        "chat_template_kwargs {} -> {'enable_thinking': True}",
+    ),
+    "model": ("other-model", "model 'scripted-model' -> 'other-model'"),
+}
+
+
+@pytest.fixture(scope="module")
+def finished_output(tmp_path_factory: pytest.TempPathFactory):
+    """A server and an output directory whose every record is done (one run for all the keys)."""
+    server = ScriptedServer().start()
+    root = tmp_path_factory.mktemp("settings")
+    prompts = write_jsonl(root / "p.jsonl", user_prompts(2))
+    assert run_datagen(make_config(prompts, root / "out", [server.url]), quiet_console()).done == 2
+    yield server, prompts, root / "out"
+    server.stop()
+
+
+@pytest.mark.parametrize("key", SETTING_CHANGES)
+def test_a_rerun_with_any_one_setting_changed_is_refused(finished_output, key: str) -> None:
+    """The seed too: records sampled from other seeds are other data, as much as another temperature."""
+    server, prompts, output = finished_output
+    recorded = json.loads((output / ".datagen" / "manifest.json").read_text())
+    assert set(recorded) == set(SETTING_CHANGES)  # a new setting needs its row above
+    before, asked = snapshot(output), len(server.requests)
+    value, change = SETTING_CHANGES[key]
+    with pytest.raises(UserError, match=re.escape(f"other settings ({change})")):
+        run_datagen(make_config(prompts, output, [server.url], **{key: value}), quiet_console())
+    assert snapshot(output) == before and len(server.requests) == asked
 
 
 def test_one_run_per_output_dir(tmp_path: Path) -> None:

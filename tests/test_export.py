@@ -29,7 +29,7 @@ from tests.helpers import (
     SMALL_MASK,
     SMALL_TARGET_LAYERS,
     SMALL_VOCAB,
-    run_dflash,
+    dflash,
     small_drafter_raw_config,
 )
 
@@ -163,6 +163,19 @@ def test_sliding_window_layers_round_trip_as_layer_types(tiny_tokenizer, tmp_pat
     assert load_exported(out).arch == drafter.arch
 
 
+@pytest.mark.parametrize("window", [None, 12], ids=["no window", "a window no layer uses"])
+def test_a_full_attention_drafter_states_no_sliding_window(tiny_tokenizer, tmp_path: Path, window) -> None:
+    """An engine that reads `use_sliding_window` or a set `sliding_window` may window every layer: a
+    drafter trained with full attention would be served with a mask it never saw."""
+    drafter, target = build(sliding_window=window)
+    out = export_drafter(drafter, tmp_path / "export", target, tokenizer=tiny_tokenizer)
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention", "full_attention"]
+    assert (config["use_sliding_window"], config["sliding_window"]) == (False, None)
+    parsed = AutoConfig.from_pretrained(out)
+    assert not parsed.use_sliding_window and parsed.sliding_window is None
+
+
 def test_export_refuses_a_drafter_that_does_not_fit_the_target(tiny_tokenizer, tmp_path: Path) -> None:
     drafter, target = build()
     small_vocab = Qwen3Config(**{**target.to_dict(), "vocab_size": MASK})
@@ -246,11 +259,15 @@ def test_trained_drafter_loads_from_a_run_or_a_checkpoint_directory(tmp_path: Pa
         load_trained_drafter(run_dir).build()
 
 
-def test_export_cli_writes_a_loadable_export(tiny_tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_export_cli_writes_a_loadable_export(
+    tiny_tokenizer_dir: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The `dflash` entry point in this process: a new interpreter cost ~10 s of CPU and tested nothing
+    more here (`python -m app` itself runs in the tests that call `run_dflash`)."""
     drafter, _ = build(seed=9)
     run_dir = make_run_dir(tmp_path, drafter, tiny_tokenizer_dir, step=12)
     out = tmp_path / "exported"
-    done = run_dflash("export", str(run_dir), "--out", str(out), "--dtype", "fp32")
+    done = dflash(capsys, monkeypatch, "export", str(run_dir), "--out", str(out), "--dtype", "fp32")
     assert done.returncode == 0, done.stderr
     assert "exported step 12" in done.stdout and "target_layer_ids [1, 5]" in done.stdout
     assert f"mask_token_id {MASK} ({MASK_TOKEN!r})" in done.stdout

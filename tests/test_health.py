@@ -81,6 +81,20 @@ def test_slow_growth_spread_beyond_the_window_is_not_an_event() -> None:
     assert run_watch(watch, records) == []
 
 
+def test_the_memory_window_holds_growth_over_exactly_window_steps_and_no_more() -> None:
+    """The edge of the window, both ways: growth spread over exactly `window_steps` is within it (an
+    event), over one step more it is not; an event stays active for `window_steps` steps of flat
+    memory, then clears."""
+    watch = MemoryWatch(window_steps=50, growth_threshold=0.05, warmup_steps=0)
+    events = run_watch(watch, [record(0, memory_gb=(60.0, 70.0)), record(50, memory_gb=(60.0, 75.0))])
+    assert [step for step, _ in events] == [50] and "grew 7% in 50 steps" in events[0][1]
+    assert run_watch(watch, [record(99, memory_gb=(60.0, 75.0))]) == [] and watch.active is not None
+    assert run_watch(watch, [record(100, memory_gb=(60.0, 75.0))]) == [] and watch.active is None
+
+    beyond = MemoryWatch(window_steps=50, growth_threshold=0.05, warmup_steps=0)
+    assert run_watch(beyond, [record(0, memory_gb=(60.0, 70.0)), record(51, memory_gb=(60.0, 75.0))]) == []
+
+
 def test_cpu_runs_have_no_memory_to_watch() -> None:
     watch = MemoryWatch(window_steps=50, growth_threshold=0.05, warmup_steps=0)
     assert run_watch(watch, [record(s, memory_gb=None) for s in range(0, 100, 10)]) == []

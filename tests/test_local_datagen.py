@@ -4,13 +4,16 @@ records are the servers' engine's (domain included), and a rerun resumes: nothin
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from transformers import AutoTokenizer
 
 from app.config import validate_config
 from app.datagen.local import run_local_datagen
+from app.errors import UserError
 from app.model.target import load_target
 from app.model.tiny_lm import chat_sample
 from app.model.tiny_tokenizer import corpus_paragraphs
@@ -121,3 +124,34 @@ def test_other_settings_are_refused_before_the_target_loads(tmp_path, tiny_lm_di
     done = dflash(capsys, monkeypatch, "datagen", str(tmp_path / "run.json"))
     assert done.returncode == 2
     assert "records made with other settings (max_tokens 4 -> 6)" in done.stderr
+
+
+# The local engine's own settings, each changed alone (top_p < 1 it refuses outright; the model is
+# the run's target), and how the refusal names it.
+LOCAL_SETTING_CHANGES = {
+    "temperature": (0.7, "temperature 0.0 -> 0.7"),
+    "max_tokens": (6, "max_tokens 4 -> 6"),
+    "seed": (5, "seed None -> 5"),
+    "reasoning": ("drop", "reasoning 'keep' -> 'drop'"),
+    "chat_template_kwargs": (
+        {"enable_thinking": True},
+        "chat_template_kwargs {} -> {'enable_thinking': True}",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def finished_local_run(tmp_path_factory, tiny_lm_dir):
+    """An output directory whose every record the local engine answered (one run for all the keys)."""
+    root = tmp_path_factory.mktemp("local-settings")
+    run_local_datagen(config(root, max_tokens=4), quiet_console())
+    return root
+
+
+@pytest.mark.parametrize("key", LOCAL_SETTING_CHANGES)
+def test_the_local_engine_refuses_a_rerun_with_any_one_setting_changed(finished_local_run, key):
+    recorded = json.loads((finished_local_run / "out" / ".datagen" / "manifest.json").read_text())
+    assert set(recorded) == {*LOCAL_SETTING_CHANGES, "model", "top_p"}  # a new setting needs its row
+    value, change = LOCAL_SETTING_CHANGES[key]
+    with pytest.raises(UserError, match=re.escape(f"other settings ({change})")):
+        run_local_datagen(config(finished_local_run, **{"max_tokens": 4, key: value}), quiet_console())

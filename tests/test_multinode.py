@@ -151,6 +151,41 @@ def test_a_torchrun_variable_that_is_no_integer_is_named(
     )
 
 
+def test_every_batch_reaches_the_drafter_whose_round_slot_holds_it() -> None:
+    """Epochs of many more rounds than drafters, 2 micro-batches per drafter: the deliveries a drafter
+    rank keeps (the receive thread filters by `drafter`) are exactly its slots of every round, in its
+    training order, on one node and on two."""
+    two_nodes = layout_for(
+        TopologyConfig(target_ranks=10, drafter_ranks=6, nnodes=2, nproc_per_node=8), 0, 16, 0
+    )
+    for rounds in (
+        RoundPlanner(planner(), drafters=3, grad_accum=2, targets=5),
+        RoundPlanner.for_layout(planner(), two_nodes, grad_accum=2),
+    ):
+        drafters = rounds.drafters
+        every = list(rounds.rounds(DataCursor(), 2))
+        assert len([r for r in every if r.epoch == 0]) > drafters
+        deliveries = list(rounds.deliveries(DataCursor(), 2, len(every)))
+        for drafter in range(drafters):
+            kept = [d.batch for d in deliveries if d.drafter == drafter]
+            assert kept == [b for r in every for b in r.for_drafter(drafter, drafters) if b is not None]
+
+
+def test_every_node_checks_its_own_process_count_against_the_config(monkeypatch) -> None:
+    """2 nodes x 2 configured, started as agents of 3 and 1 processes (torchrun lets agents differ):
+    the world size and the node count match, the placement would not; every rank on either node
+    refuses, not only rank 0's node."""
+    topology = TopologyConfig(target_ranks=2, drafter_ranks=2, nnodes=2, nproc_per_node=2)
+    for rank, local_rank, per_node in [(0, 0, 3), (2, 2, 3), (3, 0, 1)]:
+        for name, value in {"RANK": rank, "WORLD_SIZE": 4, "LOCAL_RANK": local_rank, "GROUP_WORLD_SIZE": 2,
+                            "LOCAL_WORLD_SIZE": per_node}.items():  # fmt: skip
+            monkeypatch.setenv(name, str(value))
+        with pytest.raises(
+            UserError, match=rf"but torchrun started 2 nodes x {per_node} \(GROUP_WORLD_SIZE=2, "
+        ):
+            layout_from_environment(topology)
+
+
 # ---- two torchrun agents, end to end ------------------------------------------------------------------
 
 

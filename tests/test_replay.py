@@ -140,3 +140,36 @@ def test_the_json_report_holds_every_budget_depth_and_domain():
         report["domains"]["prose"]["per_depth"]["top1"][3] is None
     )  # no round reached depth 4: null, not NaN
     assert json.loads(json.dumps(report, allow_nan=False)) == report
+
+
+def test_tree_tau_pools_every_round_of_every_prompt_and_its_gain_is_over_the_chain():
+    """Prompts of unequal round counts, so that pooling rounds and averaging per-prompt means differ:
+    tau is tokens over rounds, as the serving engines' `accept length` counts it (a per-prompt mean
+    would weigh a 1-round prompt like a 4-round one)."""
+    per_prompt = [
+        GenerationResult(ANSWER[:5], [1, 1, 1, 1], "replay"),
+        GenerationResult(ANSWER[:4], [3], "replay"),
+    ]
+    trees = [TreeResult(16, 4, BLOCK, [[2, 2], [3]]), TreeResult(64, 4, BLOCK, [[4], [3]])]
+    result = EvalResult.pooled(per_prompt, BLOCK, trees)
+    assert result.tau == 7 / 5  # per prompt: (1 + 3) / 2 = 2
+    assert trees[0].tau == result.tree_tau == 7 / 3  # per prompt: (2 + 3) / 2 = 2.5
+    assert trees[1].tau == 7 / 2
+    lines = result.describe()
+    assert "tree tau (DDTree, budget 16, top-4 per depth): 2.333 (+66.7% vs the chain) over 3 rounds" in lines
+    assert (
+        "tree tau (DDTree, budget 64, top-4 per depth): 3.500 (+150.0% vs the chain) over 2 rounds" in lines
+    )
+    assert result.summary() == {
+        "tau": 1.4,
+        "tree_tau": 7 / 3,
+        "tree_budget": 16,
+        "rounds": 5,
+        "generated_tokens": 9,
+    }
+    assert result.summary_line() == "tau=1.400 (tree tau=2.333 at budget 16) over 5 rounds of 2 prompts"
+    report = json.loads(json.dumps(result.report(), allow_nan=False))  # as `dflash eval --json` writes it
+    assert report["trees"] == {
+        "16": {"tau": 7 / 3, "top_k": 4, "rounds": 3},
+        "64": {"tau": 3.5, "top_k": 4, "rounds": 2},
+    }

@@ -5,10 +5,7 @@ drafter accepting clearly more than an untrained one, prompts, and the `dflash e
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ from app.model.objective import drafter_loss
 from app.model.target import TargetModel, load_target
 from app.model.tiny_lm import chat_sample
 from app.model.tiny_tokenizer import MASK_TOKEN_ID, corpus_paragraphs
+from tests.helpers import dflash
 
 EOS = 2  # <|im_end|> of the tiny tokenizer
 
@@ -400,7 +398,9 @@ def test_prompts_are_the_turns_before_the_first_reply_with_the_generation_prompt
         prompts_from_file(tmp_path / "bad.jsonl", tiny_tokenizer, limit=5)
 
 
-def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> None:
+def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir, capsys, monkeypatch) -> None:
+    """The `dflash` entry point in this process (a new interpreter would add ~10 s of CPU per call and
+    test nothing more here), one intra-op thread (`single_thread`)."""
     from app.checkpoint.store import save_checkpoint
 
     raw = {
@@ -418,25 +418,20 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
 
     data = write_conversations(tmp_path / "c.jsonl")
     command = ["eval", str(run_dir), "--data", str(data), "--prompts", "2", "--max-new-tokens", "6"]
-
-    def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "app", *command, *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=Path(__file__).parents[1],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},  # see `single_thread`
-        )
-
-    done = run("--tree-budget", "4,16", "--tree-top-k", "3", "--per-prompt", "--check-lossless")
+    options = ["--tree-budget", "4,16", "--tree-top-k", "3", "--per-prompt", "--check-lossless"]
+    done = dflash(capsys, monkeypatch, *command, *options, "--json", str(tmp_path / "eval.json"))
     assert done.returncode == 0, done.stderr
     assert "eval: step 3" in done.stdout and "2 prompts" in done.stdout
     assert "tau (mean acceptance length, max 4; the serving engines' `accept length`):" in done.stdout
     assert "target state between rounds: replay (the rounds replayed" in done.stdout
     assert "acceptance histogram" in done.stdout and "    1: " in done.stdout
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert report["step"] == 3 and report["prompts"] == 2
     for budget in (4, 16):
-        assert re.search(rf"tree tau \(DDTree, budget {budget}, top-3 per depth\): \d\.\d{{3}} ", done.stdout)
+        printed = re.search(
+            rf"tree tau \(DDTree, budget {budget}, top-3 per depth\): (\d\.\d{{3}}) ", done.stdout
+        )
+        assert printed and printed[1] == f"{report['trees'][str(budget)]['tau']:.3f}"  # the JSON's number
     assert re.search(
         r"prompt 1: \d+ tokens, chain tau \d\.\d{3}, tree tau \(budget 4\) \d\.\d{3}, tree tau \(budget 16\)",
         done.stdout,
@@ -448,7 +443,7 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir) -> 
         "tree-verification forward (budget 4) equals it and tree tau's acceptance on 2/2"
     ) in done.stdout
 
-    bad = run("--tree-budget", "4,lots")
+    bad = dflash(capsys, monkeypatch, *command, "--tree-budget", "4,lots")
     assert bad.returncode == 2 and bad.stderr.strip() == (
         "dflash: error: --tree-budget: expected integers >= 0 separated by commas, got '4,lots'"
     )

@@ -1,6 +1,7 @@
 """DDTree: best-first tree construction, tree acceptance from the greedy decode, and the real
 tree-verification forward it must agree with (attention-only tiny Qwen3 target, CPU)."""
 
+import itertools
 import json
 import math
 
@@ -15,8 +16,8 @@ from app.evaluate.speculative import CachedTarget, speculative_generate
 from app.evaluate.tree import _masked_forward, tree_verification_inputs, verified_tree_decode
 from app.model.drafter import DFlashDrafter
 from app.model.tree import build_tree
-from tests.helpers import run_dflash
-from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
+from tests.helpers import dflash
+from tests.test_speculative import greedy_reference, random_target_config, single_thread, target_and_drafter  # noqa: F401 (a fixture)
 from tests.test_target import ARCHITECTURES
 
 PROMPT = [5, 17, 42, 99, 3, 250, 11]
@@ -62,6 +63,46 @@ def test_acceptance_is_the_longest_prefix_on_a_path_and_the_mask_sees_ancestors_
         [True, False, False, True, False],  # b: not a
         [True, False, False, True, True],  # b -> d: not a, not a -> d
     ]
+
+
+def best_paths_by_enumeration(logits: torch.Tensor, budget: int, top_k: int) -> list[tuple[int, ...]]:
+    """Every path of the per-depth top-K lists from depth 1 on, scored by its summed log-probabilities
+    (left to right, as the tree adds them), the `budget` best first: what `build_tree` must take."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    ranked = [
+        sorted(range(logits.shape[1]), key=lambda t, row=row: -row[t])[:top_k] for row in log_probs.tolist()
+    ]
+    scored = []
+    for depth in range(1, len(ranked) + 1):
+        for path in itertools.product(*ranked[:depth]):
+            score = 0.0
+            for level, token in enumerate(path):
+                score += float(log_probs[level, token])
+            scored.append((score, path))
+    scored.sort(key=lambda item: -item[0])
+    return [path for _, path in scored[:budget]]
+
+
+def tree_paths(tree) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root down to it, in the tree's node order."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(tree.tokens, tree.parents, strict=True):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_tree_is_the_best_budget_paths_of_a_brute_force_enumeration(seed):
+    """On random logits, every budget: a wrong score for a sibling or a child still makes a tree (and
+    verification stays lossless) but not the best one, so acceptance silently drops."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, 7, generator=generator) * 2
+    for top_k in (1, 3):
+        every = best_paths_by_enumeration(logits, 10**6, top_k)
+        for budget in (1, 2, 5, 13, 40, len(every), len(every) + 3):
+            tree = build_tree(logits, budget, top_k)
+            assert tree_paths(tree) == every[:budget], (top_k, budget)
+            assert tree.depths == [len(path) for path in every[:budget]]
 
 
 def test_bad_budgets_are_one_line_user_errors():
@@ -177,6 +218,29 @@ def test_the_lossless_check_compares_chain_and_real_tree_with_the_greedy_decode(
     ]
 
 
+def test_the_lossless_check_fails_when_any_one_of_several_prompts_mismatches(scripted):
+    """Three prompts: one prompt's chain, or one prompt's tree, differing (the middle or the last one,
+    not the first) fails the whole check and is named; the others still count as equal."""
+    target, drafter, _ = scripted
+    # the drafter drafts PROMPT's continuation at any position: prompts of its length keep it in range
+    prompts = [PROMPT, [9, 8, 7, 6, 5, 4, 3], [101, 17, 3, 250, 11, 42, 5]]
+    answers = [speculative_generate(target, drafter, prompt, 16).tokens for prompt in prompts]
+    result = evaluate_replay(target, drafter, prompts, answers, [32], top_k=3)
+    # each check counts the prompts that stayed equal: the unbroken ones pass as they must
+    result.per_prompt[1].acceptance_lengths[0] += 1  # the middle prompt's chain rounds differ
+    chain = check_lossless(target, drafter, prompts, result, 16, [])
+    assert not chain.ok and (chain.chain_equal, chain.tree_equal) == (2, 3)
+    assert chain.first_mismatch == [
+        "prompt 1: the chain's output or rounds differ from the greedy decode or the loop"
+    ]
+    result.per_prompt[1].acceptance_lengths[0] -= 1
+
+    result.trees[0].acceptance_lengths[2][-1] += 1  # the last prompt's tree tau from other rounds
+    tree = check_lossless(target, drafter, prompts, result, 16, [])
+    assert not tree.ok and (tree.chain_equal, tree.tree_equal) == (3, 2)
+    assert tree.first_mismatch == ["prompt 2: tree verification differs"]
+
+
 def test_a_tree_verified_on_the_kv_cache_gives_the_logits_and_features_of_the_uncached_forward(scripted):
     """What `dflash bench tree` times (the verification forward after a KV-cached context) computes
     what the real tree verification does over the whole sequence."""
@@ -201,11 +265,24 @@ def test_a_tree_verified_on_the_kv_cache_gives_the_logits_and_features_of_the_un
     assert session.cache.get_seq_length() == len(accepted)
 
 
-def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target(tmp_path):
+def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target(
+    tmp_path, capsys, monkeypatch
+):
+    """The `dflash` entry point in this process: a new interpreter per call cost ~10 s of CPU each."""
     config = tmp_path / "tree.json"
     config.write_text(json.dumps(random_target_config()))
-    result = run_dflash(
-        "bench", "tree", str(config), "--budgets", "2,16", "--context", "24", "--repeats", "2"
+    result = dflash(
+        capsys,
+        monkeypatch,
+        "bench",
+        "tree",
+        str(config),
+        "--budgets",
+        "2,16",
+        "--context",
+        "24",
+        "--repeats",
+        "2",
     )
     assert result.returncode == 0, result.stderr
     assert "drafter block forward (draft_logits):" in result.stdout
@@ -217,7 +294,7 @@ def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target
     hybrid = tmp_path / "hybrid.json"
     hybrid.write_text(json.dumps({"target": {"architecture": ARCHITECTURES["qwen3_5_text"]},
                                   "drafter": {"num_layers": 1, "mask_token_id": 3}}))  # fmt: skip
-    refused = run_dflash("bench", "tree", str(hybrid))
+    refused = dflash(capsys, monkeypatch, "bench", "tree", str(hybrid))
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
         "dflash: error: bench tree: the target has linear-attention layers, which take no ancestor "

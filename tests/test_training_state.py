@@ -1,0 +1,99 @@
+"""What a training step may change and what a resume must bring back: a gradient that is not finite
+under a finite loss is refused like a non-finite loss, and the global RNG, which training never draws
+from (each draw has its own seeded generator), is still restored from the checkpoint on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.bench.drafter import _frozen_head_stand_ins
+from app.checkpoint.store import load_latest_checkpoint
+from app.compile.warmup import synthetic_batches
+from app.config import load_config
+from app.model.drafter import DFlashDrafter, DrafterArch
+from app.train.step import BorrowedHeads, DrafterStep
+from app.train.trainer import NonFiniteLoss, Trainer
+from tests.helpers import small_config
+
+
+def quiet(line: str) -> None:
+    pass
+
+
+def poison_gradient(drafter: DFlashDrafter) -> torch.utils.hooks.RemovableHandle:
+    """NaN in one weight's gradient, the loss untouched (what an overflow in a backward kernel does)."""
+    return drafter.layers[0].mlp.down_proj.weight.register_hook(lambda grad: grad * float("nan"))
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_changes_no_weight_then_or_after():
+    config = load_config("configs/tiny.toml", ["train.anchors=16", "drafter.num_layers=1"])
+    cpu = torch.device("cpu")
+    drafter = DFlashDrafter(DrafterArch.from_config(config), seed=0, device=cpu)
+    step = DrafterStep(
+        config, drafter, BorrowedHeads(*_frozen_head_stand_ins(drafter.arch, cpu, torch.float32)), cpu
+    )
+    batch = synthetic_batches(config, drafter, cpu, 1)[0]
+    before = {name: parameter.detach().clone() for name, parameter in drafter.named_parameters()}
+
+    hook = poison_gradient(drafter)
+    loss = step.backward(batch).loss.detach()
+    assert torch.isfinite(loss) and not torch.isfinite(step.apply(1e-3, loss))
+    hook.remove()
+    assert not step.finite
+    # the next step is finite, yet skipped too: the run stops at its next look with the last good state
+    assert torch.isfinite(step.apply(1e-3, step.backward(batch).loss.detach()))
+    for name, parameter in drafter.named_parameters():
+        assert torch.equal(parameter, before[name]), name
+
+
+def test_the_trainer_stops_at_a_step_whose_gradient_alone_is_not_finite(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    trainer = Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=2"), log=quiet)
+    poison_gradient(trainer.drafter)
+    with pytest.raises(NonFiniteLoss, match=r"^non-finite loss at step 1 \(epoch 0, batch 0"):
+        trainer.run()
+
+
+class DrawsFromTheGlobalRng:
+    """A reporter that draws from torch's global RNG at every log line, as any library call may."""
+
+    def on_start(self, start) -> None:
+        torch.rand(7)
+
+    def on_log(self, record) -> None:
+        torch.rand(7)
+
+    def on_checkpoint(self, path, step) -> None:
+        pass
+
+    def on_exit(self, reason, step) -> None:
+        pass
+
+
+def test_training_draws_nothing_from_the_global_rng_and_a_resume_restores_it(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """Two runs from different global RNG states, one drawing from it between steps, train the same
+    weights bit for bit (noise and anchors on): what the saved state restores changes nothing trained.
+    It is restored all the same, so code that starts drawing from it resumes exactly."""
+    extra = ("train.max_steps=2", "train.save_every=1", "train.feature_noise_std=0.5")
+    weights = []
+    for seed, reporters in [(0, []), (1, [DrawsFromTheGlobalRng()])]:
+        torch.manual_seed(seed)
+        trainer = Trainer(
+            small_config(tiny_conversations, tmp_path / str(seed), *extra), log=quiet, reporters=reporters
+        )
+        trainer.run()
+        weights.append(trainer.drafter.state_dict())
+    for name, weight in weights[0].items():
+        assert torch.equal(weight, weights[1][name]), name
+
+    saved = load_latest_checkpoint(tmp_path / "1").rng_state["cpu"]
+    torch.manual_seed(2)
+    assert not torch.equal(torch.get_rng_state(), saved)
+    Trainer(small_config(tiny_conversations, tmp_path / "1", *extra), resume=True, log=quiet)
+    assert torch.equal(torch.get_rng_state(), saved)
