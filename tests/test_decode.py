@@ -1,6 +1,7 @@
-"""Batched decoding of the target (`app.model.decode`): left-padded prompts over one static cache give
-each prompt exactly its own greedy decode, stop where a serving engine stops, and sample reproducibly;
-hybrid targets take `generate` and give the same."""
+"""Batched decoding of the target (`app.model.decode`): a prefill of left-padded prompts, then rows
+refilled with the next prompt as their answers end, over a ring of cache slots, give each prompt exactly
+its own greedy decode, stop where a serving engine stops, and sample reproducibly; hybrid targets take
+`generate` and give the same."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from app.model.decode import BatchDecoder, DecodeShape, GenerateDecoder, batch_d
 from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202]]
+MORE = [
+    *PROMPTS,
+    [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 9],
+    [31, 2],
+    list(range(90, 84, -1)),
+]
+"""More prompts than rows: rows take new prompts mid-call, reading them one token per step."""
 
 
 @pytest.fixture(scope="module")
@@ -22,17 +30,28 @@ def target():
 def test_each_prompt_of_a_padded_batch_gets_its_own_greedy_decode(target):
     decoder = batch_decoder(target.model, DecodeShape(rows=6, max_prompt_tokens=20, max_new_tokens=15), [])
     assert isinstance(decoder, BatchDecoder)
-    answers = decoder.decode(PROMPTS)  # 4 prompts in 6 rows: two rows repeat the first prompt
+    answers = decoder.decode(PROMPTS)  # 4 prompts in 6 rows: two rows idle
     assert answers == [greedy_reference(target, prompt, 15, None) for prompt in PROMPTS]
     assert decoder.decode(PROMPTS[1:3]) == answers[1:3]  # the cache of the last call leaves no trace
 
 
+def test_rows_refilled_over_a_ring_of_slots_give_each_prompt_its_own_greedy_decode(target):
+    """7 prompts through 2 rows over 20 + 15 slots: rows take prompts at different steps, read them one
+    token per step, and wrap the ring several times; every answer is still the prompt's own."""
+    decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=15), [])
+    streamed = list(decoder.stream(MORE))
+    assert sorted(index for index, _ in streamed) == list(range(len(MORE)))
+    answers = dict(streamed)
+    assert [answers[i] for i in range(len(MORE))] == [greedy_reference(target, p, 15, None) for p in MORE]
+    assert decoder.decode([]) == []
+
+
 def test_every_answer_ends_after_its_first_stop_token(target):
-    free = [greedy_reference(target, prompt, 24, None) for prompt in PROMPTS]
+    free = [greedy_reference(target, prompt, 24, None) for prompt in MORE]
     stop = free[0][4]  # a token the first prompt's answer emits early; others run on or stop elsewhere
-    decoder = BatchDecoder(target.model, DecodeShape(rows=4, max_prompt_tokens=20, max_new_tokens=24), [stop])
-    answers = decoder.decode(PROMPTS)
-    assert answers == [greedy_reference(target, prompt, 24, stop) for prompt in PROMPTS]
+    decoder = BatchDecoder(target.model, DecodeShape(rows=3, max_prompt_tokens=20, max_new_tokens=24), [stop])
+    answers = decoder.decode(MORE)
+    assert answers == [greedy_reference(target, prompt, 24, stop) for prompt in MORE]
     assert answers[0] == free[0][: free[0].index(stop) + 1] and len(answers[0]) < 24
     assert any(len(answer) == 24 for answer in answers)  # a row that never stops runs to the budget
 
@@ -40,12 +59,12 @@ def test_every_answer_ends_after_its_first_stop_token(target):
 def test_sampling_follows_its_seed(target):
     shape = DecodeShape(rows=4, max_prompt_tokens=20, max_new_tokens=12)
     hot = BatchDecoder(target.model, shape, [], temperature=1.0)
-    first = hot.decode(PROMPTS, seed=3)
-    assert hot.decode(PROMPTS, seed=3) == first
-    assert hot.decode(PROMPTS, seed=4) != first
-    greedy = BatchDecoder(target.model, shape, []).decode(PROMPTS)
+    first = hot.decode(MORE, seed=3)
+    assert hot.decode(MORE, seed=3) == first
+    assert hot.decode(MORE, seed=4) != first
+    greedy = BatchDecoder(target.model, shape, []).decode(MORE)
     assert first != greedy  # a temperature of 1 over a random model departs from the argmax
-    cold = BatchDecoder(target.model, shape, [], temperature=1e-6).decode(PROMPTS, seed=3)
+    cold = BatchDecoder(target.model, shape, [], temperature=1e-6).decode(MORE, seed=3)
     assert cold == greedy
 
 
@@ -67,8 +86,6 @@ def test_a_hybrid_target_decodes_through_generate_with_the_same_answers():
 
 def test_calls_outside_the_shape_are_one_line_errors(target):
     decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=8, max_new_tokens=4), [])
-    with pytest.raises(UserError, match=r"a call takes 1 to 2 prompts, got 3"):
-        decoder.decode([[1], [2], [3]])
     with pytest.raises(UserError, match=r"prompts must have 1 to 8 tokens, got up to 9"):
         decoder.decode([list(range(9))])
     with pytest.raises(UserError, match=r"prompts must have 1 to 8 tokens"):
@@ -104,5 +121,6 @@ def test_a_decode_step_reads_each_kv_head_once_with_sdpa_s_result(target, monkey
     decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=8, max_new_tokens=3), [])
     decoder.decode([[5, 6, 7], [8]])
     layers = target.text_config.num_hidden_layers
-    assert calls.count(1) == 2 * layers and calls.count(3) == layers  # two decode steps, one prefill
+    steps = decode.STOP_CHECK_EVERY  # the answers end within the first steps the host reads
+    assert calls.count(1) == steps * layers and calls.count(3) == layers  # one prefill, then steps
     assert target.model.config._attn_implementation == "sdpa"

@@ -551,8 +551,9 @@ def test_the_compiled_target_matches_eager_and_a_new_shape_compiles_nothing(
 
 def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_target() -> None:
     """Local regeneration's decode step (`compile_decode_step`): one graph for every call of the
-    decoder's shape, each prompt of a padded batch answered as the target answers it alone (fp32, so
-    that an argmax does not turn on bf16 rounding), no NaN from the pad rows' masked keys."""
+    decoder's shape, each prompt answered as the target answers it alone (fp32, so that an argmax does
+    not turn on bf16 rounding) also when rows take new prompts mid-call and wrap the ring of slots, no
+    NaN from the pad rows' masked keys."""
     from app.compile.apply import compile_decode_step
     from app.model.decode import BatchDecoder, DecodeShape
     from tests.test_speculative import random_target_config as small_random_target
@@ -562,7 +563,7 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
     raw["train"]["device"] = "cuda"
     target = load_target(validate_config(raw), "cuda")
     prompts = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202]]
-    decoder = BatchDecoder(target.model, DecodeShape(rows=8, max_prompt_tokens=20, max_new_tokens=24), [])
+    decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=24), [])
     compile_decode_step(decoder)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     answers = decoder.decode(prompts)

@@ -105,6 +105,49 @@ def test_the_targets_own_greedy_answers_in_datagen_records_and_a_rerun_resumes(t
     assert sorted(rows(tmp_path / "out"), key=lambda r: r["id"]) == sorted(written, key=lambda r: r["id"])
 
 
+def test_a_stop_signal_commits_the_answers_that_ended_and_the_rerun_answers_the_rest(
+    tmp_path, tiny_lm_dir, monkeypatch
+):
+    """SIGTERM after the second answer (4 rows in flight, 6 prompts): the run ends with 2 records
+    written, the 4 prompts in flight are not; the rerun answers exactly those, the same as one run."""
+    import os
+    import signal
+
+    from app.datagen.local import _LocalRun
+
+    whole = rows_of_one_run(tmp_path / "whole")
+    commit, committed = _LocalRun._commit, []
+
+    def commit_then_stop(self, *args):
+        commit(self, *args)
+        committed.append(args[0].record.id)
+        if len(committed) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the engine's own handler takes it
+
+    monkeypatch.setattr(_LocalRun, "_commit", commit_then_stop)
+    run = config(tmp_path)
+    stopped = run_local_datagen(run, quiet_console())
+    assert stopped.stopped_by == "SIGTERM" and (stopped.done, stopped.unfinished) == (2, 4)
+    assert sorted(row["id"] for row in rows(tmp_path / "out")) == sorted(committed)
+    monkeypatch.setattr(_LocalRun, "_commit", commit)
+    rest = run_local_datagen(run, quiet_console())
+    assert (rest.done, rest.resumed) == (4, 2)
+    assert sorted_records(tmp_path / "out") == whole
+
+
+def rows_of_one_run(root: Path) -> list[dict]:
+    root.mkdir()
+    run_local_datagen(config(root), quiet_console())
+    return sorted_records(root / "out")
+
+
+def sorted_records(output: Path) -> list[dict]:
+    """The records by id, without `source` (it names the prompts file, which differs between runs)."""
+    return sorted(
+        ({k: v for k, v in row.items() if k != "source"} for row in rows(output)), key=lambda r: r["id"]
+    )
+
+
 def test_other_settings_are_refused_before_the_target_loads(tmp_path, tiny_lm_dir, capsys, monkeypatch):
     run_local_datagen(config(tmp_path, max_tokens=4), quiet_console())
     (tmp_path / "run.json").write_text(

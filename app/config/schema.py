@@ -472,12 +472,13 @@ class DatagenConfig(Section):
 
     engine: Literal["servers", "local"] = "servers"
     """Who answers: "servers" (OpenAI-compatible servers, SGLang in its own container: production),
-    or "local": the run's own `target`, in this process on one GPU, batched (`local_rows` prompts at a
-    time over a static KV cache, the decode step compiled into CUDA graphs). For targets that fit one
-    GPU, e.g. the built-in SmolLM2 of the quality benchmark; records are written the same way."""
+    or "local": the run's own `target`, in this process on one GPU, batched (`local_rows` rows over a
+    static KV cache, each taking the next prompt as its answer ends; the decode step compiled into CUDA
+    graphs). For targets that fit one GPU, e.g. the built-in SmolLM2 of the quality benchmark; records
+    are written the same way."""
 
     local_rows: int = Field(256, ge=1)
-    """engine = "local": prompts decoded together. More rows, more tokens/s, until the KV cache
+    """engine = "local": prompts decoded at once. More rows, more tokens/s, until the KV cache
     (rows x (local_max_prompt_tokens + max_tokens) slots per layer) or the GPU's bandwidth runs out."""
 
     local_max_prompt_tokens: int = Field(1024, ge=1)

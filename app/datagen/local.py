@@ -1,18 +1,19 @@
 """`dflash datagen` with `datagen.engine = "local"`: the run's own target answers, in this process.
 
 For a target that fits one GPU (the quality benchmark's built-in SmolLM2), no inference server is
-needed: prompts are rendered with the target's chat template, sorted by length, and answered
-`local_rows` at a time by `app.model.decode.BatchDecoder` (on CUDA its decode step runs as CUDA
-graphs, its kernels kept in the run's inductor directory, `compile.inductor_dir`, so that a rerun
-loads them instead of compiling for most of a minute). The output directory is the same as the servers' engine writes, shard for shard: the same
-columns, resume state, settings check, rejects and accounting (`app.datagen.store`,
-`app.datagen.runner.DatagenReport`), so a killed run resumes where it stopped and nothing is written
-twice. A stop signal ends the run after the batch in flight, its answers committed.
+needed: prompts are rendered with the target's chat template, sorted by length, and answered by
+`app.model.decode.BatchDecoder` in `local_rows` rows, each row taking the next prompt as its answer
+ends (on CUDA its decode step runs as CUDA graphs, its kernels kept in the run's inductor directory,
+`compile.inductor_dir`, so that a rerun loads them instead of compiling for most of a minute). The
+output directory is the same as the servers' engine writes, shard for shard: the same columns, resume
+state, settings check, rejects and accounting (`app.datagen.store`, `app.datagen.runner.DatagenReport`),
+so a killed run resumes where it stopped and nothing is written twice. A stop signal ends the run with
+the answers that ended committed; the prompts in flight are answered on the next run.
 
 Only the last turn of a record is answered here (`[system, user, assistant slot]`): a record with
 earlier assistant slots needs each answer before the next prompt exists, so it fails with that reason.
-Sampled answers (temperature > 0) take their seed from `datagen.seed` and the batch's first record id:
-reproducible for the same batches, not across a resume that batches differently.
+Sampled answers (temperature > 0) take their seed from `datagen.seed` and the first pending record id:
+reproducible for the same pending prompts, not across a resume (which starts from fewer).
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class _LocalRun:
         stop_ids = set(decoder.stop_ids.tolist())
         self.console.print(
             f"datagen: {len(ready)} records to generate ({self.report.resumed} already done) with "
-            f"{self.report.model} in this process, {rows} at a time",
+            f"{self.report.model} in this process, {rows} rows refilled as answers end",
             highlight=False,
         )
         previous = {
@@ -163,15 +164,13 @@ class _LocalRun:
         started = time.monotonic()
         try:
             with DatagenProgress(self.console, total=len(ready)) as progress:
-                for start in range(0, len(ready), rows):
+                answers = decoder.stream([p.ids for p in ready], seed=self._seed(ready[0].record))
+                for index, answer in answers:
+                    self._commit(ready[index], answer, stop_ids, tokenizer)
+                    progress.advance(failed=False)
+                    self.flush(force=False)
                     if self.report.stopped_by is not None:
                         break
-                    batch = ready[start : start + rows]
-                    answers = decoder.decode([p.ids for p in batch], seed=self._seed(batch[0].record))
-                    for prompt, answer in zip(batch, answers, strict=True):
-                        self._commit(prompt, answer, stop_ids, tokenizer)
-                        progress.advance(failed=False)
-                    self.flush(force=False)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -229,7 +228,11 @@ class _LocalRun:
     def _stop(self, signum: int, frame: Any) -> None:
         if self.report.stopped_by is None:
             self.report.stopped_by = signal.Signals(signum).name
-            self.console.print("datagen: stopping after the batch in flight, committing it", highlight=False)
+            self.console.print(
+                "datagen: stopping: committing the answers that ended (the rows in flight are answered "
+                "on the next run)",
+                highlight=False,
+            )
 
 
 def _model_name(config: RunConfig) -> str:

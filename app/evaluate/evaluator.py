@@ -80,9 +80,7 @@ class Evaluator:
         )
         with torch.compiler.set_stance("force_eager"):  # see `decoding`
             decoder = batch_decoder(self.target.model, shape, self.stop_token_ids, self.pad_token_id)
-            answers: list[list[int]] = []
-            for start in range(0, len(self.prompts), shape.rows):
-                answers += decoder.decode(self.prompts[start : start + shape.rows])
+            answers = decoder.decode(self.prompts)
         seconds = time.monotonic() - started
         tokens = sum(map(len, answers))
         self._report(

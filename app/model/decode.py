@@ -2,26 +2,32 @@
 
 Where the target itself answers, in this process: regeneration without an inference server
 (`datagen.engine = "local"`) and eval, which replays the target's greedy decode
-(`app.evaluate.replay`). One call of `BatchDecoder.decode` answers up to `rows` prompts:
+(`app.evaluate.replay`). `BatchDecoder.stream` answers any number of prompts through `rows` rows that
+are refilled as they finish (continuous batching), at one shape:
 
-1. prefill: the prompts, left-padded to the longest of them, in one forward that fills a static KV
-   cache of `cache_length` slots per row (pad rows see only themselves, so no row of the cache is NaN);
-2. decode: one token per row per step, at one shape `[rows, 1]` over the whole cache with a mask of
-   each row's own keys. That step is the only thing a GPU run compiles (`app.compile.apply.
-   compile_decode_step`, CUDA graphs): its shape never changes, so it compiles once per process.
-3. every row's answer ends after its first stop token or at `max_new_tokens`.
+1. every row holds one prompt at a time in its own row of a static KV cache of `cache_length` slots,
+   written as a ring: step t writes slot `t % cache_length` of every row, and a row sees the slots
+   it wrote since its prompt began (a prompt and its answer never exceed the ring);
+2. one step feeds one token per row, `[rows, 1]`: the row's next prompt token while it reads its prompt,
+   else the token it chose last. That step is the only thing a GPU run compiles (`app.compile.apply.
+   compile_decode_step`, CUDA graphs): its shape never changes, so it compiles once per process;
+3. a row's answer ends after its first stop token or at `max_new_tokens`; then the row takes the next
+   prompt. The host reads the chosen tokens every `STOP_CHECK_EVERY` steps (one small device read), so
+   decoding never waits on it: a finished row idles until then.
 
-A row that has finished keeps decoding until every row of the call has (the step's shape is fixed);
-the host checks for that every `STOP_CHECK_EVERY` steps, not every step, so decoding never waits on it.
+Prompts are read at one token per step rather than in a prefill: every step keeps its one shape, and
+no row waits for the longest answer of a batch (the earlier fixed batches idled 43% of their row-steps
+on an H200 when 38% of the answers ran to the limit; BENCHMARKS.md, 2026-12-03).
 
 Targets whose cache is not a plain attention cache (linear-attention layers of hybrid models,
 sliding windows) cannot take this one mask over a static cache: they decode through transformers'
-`generate`, batched the same way, eagerly (`GenerateDecoder`).
+`generate`, in batches of `rows`, eagerly (`GenerateDecoder`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -34,21 +40,22 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from app.errors import UserError
 
 STOP_CHECK_EVERY = 16
-"""Decode steps between the host's checks that every row has finished (one tiny device read)."""
+"""Decode steps between the host's reads of the chosen tokens (finished rows idle until then)."""
 
 PACKED_ATTENTION = "dflash_packed_decode"
 """The attention implementation a decode call runs the target with (`packed_decode_attention`)."""
 
 DecodeStep = Callable[..., torch.Tensor]
-"""`(tokens [R, 1], first_key [R], write_index [], noise [R, V] | None) -> next tokens [R]`."""
+"""`(last [R], prompts [R, P], prompt_lengths [R], first_step [R], step [], noise [R, V] | None) ->
+the tokens chosen [R]` (`BatchDecoder.decode_step`)."""
 
 
 @dataclass(frozen=True)
 class DecodeShape:
-    """The fixed shape of a decoder: every call decodes `rows` rows over `cache_length` cache slots."""
+    """The fixed shape of a decoder: `rows` rows over `cache_length` cache slots each."""
 
     rows: int
-    """Prompts decoded together (a call with fewer fills the rest with copies of its first prompt)."""
+    """Prompts decoded at once (a row that finds no prompt left idles)."""
     max_prompt_tokens: int
     """The longest prompt a call may hold."""
     max_new_tokens: int
@@ -59,8 +66,23 @@ class DecodeShape:
         return self.max_prompt_tokens + self.max_new_tokens
 
 
+@dataclass
+class _Row:
+    """What the host knows of one row: the prompt it answers and its answer so far."""
+
+    prompt: int
+    answer_from: int
+    """The step whose chosen token is the answer's first (the step that reads the prompt's last)."""
+    answer: list[int]
+
+    def take(self, token: int, stops: set[int], limit: int) -> bool:
+        """Add the next answer token; whether the answer ended with it."""
+        self.answer.append(token)
+        return token in stops or len(self.answer) == limit
+
+
 class BatchDecoder:
-    """Greedy (or sampled) answers of an attention-only target to batches of prompts (module docstring)."""
+    """Greedy (or sampled) answers of an attention-only target to many prompts (module docstring)."""
 
     def __init__(
         self,
@@ -84,84 +106,159 @@ class BatchDecoder:
         self.step: DecodeStep = self.decode_step
         """The decode step; `app.compile.apply.compile_decode_step` replaces it with its compiled self."""
         self.key_slots = torch.arange(shape.cache_length, device=model.device)
+        rows, device = shape.rows, model.device
+        self.prompts = torch.zeros(rows, shape.max_prompt_tokens, dtype=torch.long, device=device)
+        """Each row's prompt, read one token per step from `first_step` on."""
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        self.first_step = torch.zeros(rows, dtype=torch.long, device=device)
+        """The step from which each row's prompt is in the ring (its position 0)."""
 
-    @torch.inference_mode()
     def decode(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[list[int]]:
-        """The answer to each prompt (at most `rows`): tokens after it, cut after the first stop token."""
-        count = len(prompts)
-        if not 1 <= count <= self.shape.rows:
-            raise UserError(f"decode: a call takes 1 to {self.shape.rows} prompts, got {count}")
-        rows = [list(p) for p in prompts] + [list(prompts[0])] * (self.shape.rows - count)
-        longest = max(map(len, rows))
-        if min(map(len, rows)) < 1 or longest > self.shape.max_prompt_tokens:
+        """The answer to each prompt, in order: tokens after it, cut after the first stop token."""
+        answers: list[list[int]] = [[] for _ in prompts]
+        for index, answer in self.stream(prompts, seed):
+            answers[index] = answer
+        return answers
+
+    def stream(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> Iterator[tuple[int, list[int]]]:
+        """`(index, answer)` of each prompt as its answer ends (not in order). Sampling draws from a
+        generator seeded by `seed`: the same prompts and seed give the same answers."""
+        longest = max(map(len, prompts), default=0)
+        if min(map(len, prompts), default=1) < 1 or longest > self.shape.max_prompt_tokens:
             raise UserError(
                 f"decode: prompts must have 1 to {self.shape.max_prompt_tokens} tokens, got up to {longest}"
             )
+        return self._stream(prompts, seed) if prompts else iter(())
+
+    @torch.inference_mode()
+    def _stream(self, prompts: Sequence[Sequence[int]], seed: int) -> Iterator[tuple[int, list[int]]]:
+        """The first `rows` prompts in one prefill, then steps of one token per row, each row taking
+        the next prompt once its answer ends."""
+        device = self.model.device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        stops, limit = set(self.stop_ids.tolist()), self.shape.max_new_tokens
+        queue = deque(range(len(prompts)))
+        held: list[_Row | None] = [None] * self.shape.rows
+        chosen = torch.zeros(self.shape.rows, STOP_CHECK_EVERY, dtype=torch.long, device=device)
         with packed_attention(self.model):
-            return self._decode(rows, count, longest, seed)
-
-    def _decode(self, rows: list[list[int]], count: int, longest: int, seed: int) -> list[list[int]]:
-        generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        self.cache.reset()
-        first_key = torch.tensor([longest - len(r) for r in rows], device=self.model.device)
-        tokens = self._prefill(rows, first_key, longest, generator)
-        answers = torch.empty(
-            self.shape.rows, self.shape.max_new_tokens, dtype=torch.long, device=tokens.device
-        )
-        answers[:, 0] = tokens
-        done = torch.isin(tokens, self.stop_ids)
-        write_index = torch.tensor(longest, device=tokens.device)
-        for step in range(1, self.shape.max_new_tokens):
-            # the next input is a copy in `answers`, not the step's output (a CUDA graph's output
-            # buffer, which its next replay overwrites)
-            answers[:, step] = self.step(
-                answers[:, step - 1 : step], first_key, write_index, self._noise(generator)
-            )
-            done |= torch.isin(answers[:, step], self.stop_ids)
-            write_index += 1
-            if step % STOP_CHECK_EVERY == 0 and bool(done.all()):
-                answers = answers[:, : step + 1]
-                break
-        return [cut_at_stop(row, self.stop_ids) for row in answers[:count].tolist()]
-
-    def decode_step(
-        self,
-        tokens: torch.Tensor,
-        first_key: torch.Tensor,
-        write_index: torch.Tensor,
-        noise: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One token per row: each row sees its cache slots `[first_key, write_index]`, at position
-        `write_index - first_key` (its own count of real tokens so far)."""
-        visible = (self.key_slots >= first_key[:, None]) & (self.key_slots <= write_index)
-        logits = self.model(
-            input_ids=tokens,
-            position_ids=(write_index - first_key)[:, None],
-            attention_mask=visible[:, None, None, :],
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        return self._pick(logits, noise)
+            last, steps = self._prefill(prompts, queue, held, generator)
+            for row, (state, token) in enumerate(zip(held, last.tolist(), strict=True)):
+                if state is not None and state.take(token, stops, limit):
+                    held[row] = None
+                    yield state.prompt, state.answer
+            step = torch.tensor(steps, device=device)
+            while True:
+                self._refill(prompts, queue, held, steps)
+                if not any(held):
+                    return
+                for column in range(STOP_CHECK_EVERY):
+                    # the next input is a copy, not the step's output (a CUDA graph's output buffer,
+                    # which its next replay overwrites)
+                    chosen[:, column] = self.step(
+                        last, self.prompts, self.lengths, self.first_step, step, self._noise(generator)
+                    )
+                    last.copy_(chosen[:, column])
+                    step += 1
+                yield from self._collect(chosen.tolist(), held, steps, stops)
+                steps += STOP_CHECK_EVERY
 
     def _prefill(
-        self, rows: list[list[int]], first_key: torch.Tensor, longest: int, generator: torch.Generator
-    ) -> torch.Tensor:
+        self, prompts: Sequence[Sequence[int]], queue: deque[int], held: list, generator: torch.Generator
+    ) -> tuple[torch.Tensor, int]:
+        """The first prompts, left-padded to the longest, in one forward into the ring's first slots
+        (a row with no prompt, or a pad query, sees only its own slot: finite, never seen); the token
+        each row chose and the next step."""
         device = self.model.device
-        ids = torch.tensor([[self.pad_token_id] * (longest - len(r)) + r for r in rows], device=device)
+        self.cache.reset()
+        wave = [queue.popleft() for _ in range(min(len(queue), self.shape.rows))]
+        longest = max(len(prompts[index]) for index in wave)
+        ids = torch.full((self.shape.rows, longest), self.pad_token_id)
+        lengths = torch.zeros(self.shape.rows, dtype=torch.long)
+        for row, index in enumerate(wave):
+            tokens = prompts[index]
+            ids[row, longest - len(tokens) :] = torch.tensor(tokens)
+            lengths[row] = len(tokens)
+            held[row] = _Row(index, longest - 1, [])
+        self.lengths.copy_(lengths)
+        self.first_step.copy_(longest - lengths)  # a row with no prompt starts after the prefill
         query = torch.arange(longest, device=device)
         causal = self.key_slots[None, :] <= query[:, None]  # [P, L]
-        own = self.key_slots[None, :] == query[:, None]  # a pad query sees itself: finite, never seen
-        visible = (causal[None] & (self.key_slots >= first_key[:, None, None])) | own[None]
+        own = self.key_slots[None, :] == query[:, None]
+        visible = (causal[None] & (self.key_slots >= self.first_step[:, None, None])) | own[None]
         logits = self.model(
-            input_ids=ids,
-            position_ids=(query[None, :] - first_key[:, None]).clamp(min=0),
+            input_ids=ids.to(device),
+            position_ids=(query[None, :] - self.first_step[:, None]).clamp(min=0),
             attention_mask=visible[:, None],
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        return self._pick(logits, self._noise(generator))
+        return self._pick(logits, self._noise(generator)), longest
+
+    def _refill(self, prompts: Sequence[Sequence[int]], queue: deque[int], held: list, steps: int) -> None:
+        """The next prompts into the free rows from step `steps` on; a row left free restarts its
+        count there too, so that its positions stay small."""
+        free = [row for row, state in enumerate(held) if state is None]
+        if not free:
+            return
+        ids = torch.full((len(free), self.shape.max_prompt_tokens), self.pad_token_id)
+        lengths = torch.zeros(len(free), dtype=torch.long)
+        for position, row in enumerate(free):
+            if queue:
+                index = queue.popleft()
+                tokens = prompts[index]
+                ids[position, : len(tokens)] = torch.tensor(tokens)
+                lengths[position] = len(tokens)
+                held[row] = _Row(index, steps + len(tokens) - 1, [])
+        target = torch.tensor(free, device=self.model.device)
+        self.prompts[target] = ids.to(self.model.device)
+        self.lengths[target] = lengths.to(self.model.device)
+        self.first_step[target] = steps
+
+    def _collect(
+        self, chosen: list[list[int]], held: list, steps: int, stops: set[int]
+    ) -> Iterator[tuple[int, list[int]]]:
+        """Each held row's answer tokens among the choices of steps `steps ..`; a row whose answer
+        ended gives it up and is free."""
+        for row, state in enumerate(held):
+            if state is None:
+                continue
+            for token in chosen[row][max(state.answer_from - steps, 0) :]:
+                if state.take(token, stops, self.shape.max_new_tokens):
+                    held[row] = None
+                    yield state.prompt, state.answer
+                    break
+
+    def decode_step(
+        self,
+        last: torch.Tensor,
+        prompts: torch.Tensor,
+        lengths: torch.Tensor,
+        first_step: torch.Tensor,
+        step: torch.Tensor,
+        noise: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One token per row at step `step`: the row's prompt token at its position (`step -
+        first_step`) while it reads its prompt, else `last`; it sees the ring's slots written since
+        `first_step`, and the token chosen after it comes back."""
+        position = step - first_step
+        reading = position < lengths
+        prompt_token = prompts.gather(1, position.clamp(max=prompts.shape[1] - 1)[:, None])[:, 0]
+        tokens = torch.where(reading, prompt_token, last)
+        ring = self.shape.cache_length
+        written_at = step - torch.remainder(step - self.key_slots, ring)  # the step that last wrote a slot
+        visible = written_at[None, :] >= first_step[:, None]
+        logits = self.model(
+            input_ids=tokens[:, None],
+            position_ids=position[:, None],
+            attention_mask=visible[:, None, None, :],
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        for layer in self.cache.layers:  # the cache writes at its own count: keep it on the ring
+            layer.cumulative_length.remainder_(ring)
+        return self._pick(logits, noise)
 
     def _noise(self, generator: torch.Generator) -> torch.Tensor | None:
         """Gumbel noise for sampling, drawn outside the compiled step from the call's own generator
@@ -189,8 +286,17 @@ class GenerateDecoder:
         self.model, self.shape, self.pad_token_id = model, shape, pad_token_id
         self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=model.device)
 
-    @torch.inference_mode()
     def decode(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[list[int]]:
+        """The answer to each prompt, in order, `rows` prompts per `generate` call."""
+        rows = self.shape.rows
+        return [
+            answer
+            for start in range(0, len(prompts), rows)
+            for answer in self._batch(prompts[start : start + rows])
+        ]
+
+    @torch.inference_mode()
+    def _batch(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         longest = max(map(len, prompts))
         device = self.model.device
         ids = torch.tensor(
