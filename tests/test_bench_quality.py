@@ -156,8 +156,13 @@ def test_the_table_has_each_objective_s_domains_with_mean_interval_and_gap_and_t
         evals={"ce": {0: [(1.0, 2.0), (2.0, 2.5), (3.0, 2.4)]}},
         stage_seconds={"eval": 12.0},
     )
+    sure = {"tokens": 30, "entropy_bits": 1.25, "top1_prob": 0.7, "sure": 0.5, "unsure": 0.2}
+    report.results["ce"][0]["target_predictability"] = {"all": sure}
     lines = format_table(report)
     half = 12.706 * 0.1 * math.sqrt(2) / math.sqrt(2)  # t(1) x stdev of (2.0, 2.2) / sqrt(2)
+    assert "target's answers, all: 30 tokens, entropy 1.25 bits/token, top-1 probability 0.70; " in "".join(
+        lines
+    )
     assert lines[0] == "objective ce: held-out acceptance over 2 seed(s) (mean +- 95% interval):"
     assert lines[2].split()[:2] == ["all", "3"]
     assert lines[2].split()[2:4] == ["2.100", f"+-{half:.3f}"]

@@ -427,6 +427,8 @@ def test_eval_cli_prints_tau_and_the_histogram(tmp_path, tiny_tokenizer_dir, cap
     assert "acceptance histogram" in done.stdout and "    1: " in done.stdout
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["step"] == 3 and report["prompts"] == 2
+    tokens = report["target_predictability"]["all"]["tokens"]
+    assert tokens == report["generated_tokens"] and f"target's answers, all: {tokens} tokens" in done.stdout
     for budget in (4, 16):
         printed = re.search(
             rf"tree tau \(DDTree, budget {budget}, top-3 per depth\): (\d\.\d{{3}}) ", done.stdout

@@ -13,6 +13,7 @@ from typing import Any
 
 from app.atomic import write_json_atomic
 from app.bench.quality import QualityReport
+from app.evaluate.predictability import describe_predictability
 
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 """Student's t at 0.975 by degrees of freedom (the 95% interval of a mean over a few seeds); 1.96 beyond."""
@@ -112,6 +113,7 @@ def format_table(report: QualityReport) -> list[str]:
     for objective, seeds in report.results.items():
         lines += _objective_table(objective, summarize(list(seeds.values())), len(seeds))
     baseline, *others = report.results
+    lines += describe_predictability(target_predictability(report))
     for objective in others:
         change = paired_change(report.results[baseline], report.results[objective])
         cells = ", ".join(f"{column} {mean:+.1f}% +-{half:.1f}" for column, (mean, half) in change.items())
@@ -126,6 +128,13 @@ def format_table(report: QualityReport) -> list[str]:
             lines.append(f"{objective} seed {seed}: last training line {json.dumps(line)}")
     lines += [f"stage {name}: {seconds:.0f}s" for name, seconds in report.stage_seconds.items()]
     return lines
+
+
+def target_predictability(report: QualityReport) -> dict[str, Any]:
+    """How sure the target is of its own answers' tokens (the same prompts and answers in every eval of
+    the benchmark, so any one of them says it)."""
+    first = next(iter(next(iter(report.results.values())).values()))
+    return first.get("target_predictability", {})
 
 
 def _objective_table(objective: str, table: dict[str, Any], seeds: int) -> list[str]:
@@ -163,6 +172,7 @@ def write_report(report: QualityReport, path: Path) -> None:
         "rank_correlation": {
             o: {str(s): rho for s, rho in seeds.items()} for o, seeds in correlations(report).items()
         },
+        "target_predictability": target_predictability(report) if report.results else {},
         "evals": {o: {str(s): pairs for s, pairs in seeds.items()} for o, seeds in report.evals.items()},
         "stage_seconds": report.stage_seconds,
     }

@@ -91,6 +91,7 @@ def evaluate(
             "step": evaluation.step,
             "checkpoint": str(evaluation.checkpoint),
             **evaluation.result.report(),
+            "target_predictability": evaluation.predictability,
         }
         write_bytes_atomic(Path(json_out), json.dumps(record, indent=1).encode())
     if evaluation.lossless is not None and not evaluation.lossless.ok:

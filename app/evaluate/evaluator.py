@@ -11,6 +11,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -18,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from app.config import RunConfig
 from app.errors import UserError
 from app.evaluate.lossless import LosslessCheck, check_lossless
+from app.evaluate.predictability import answer_predictability
 from app.evaluate.replay import evaluate_replay
 from app.evaluate.result import EvalResult
 from app.model.decode import DecodeShape, batch_decoder
@@ -87,6 +89,15 @@ class Evaluator:
             f"eval: {tokens} answer tokens in {seconds:.1f}s ({tokens / max(seconds, 1e-9):.0f} tok/s)"
         )
         return answers
+
+    @functools.cached_property
+    def predictability(self) -> dict[str, dict[str, Any]]:
+        """How sure the target is of its own answers' tokens, per domain (`app.evaluate.predictability`):
+        what bounds every drafter's acceptance on these prompts."""
+        with torch.compiler.set_stance("force_eager"):  # see `decoding`
+            return answer_predictability(
+                self.target, self.prompts, self.answers, self.domains, self.autocast_dtype
+            )
 
     def __call__(self, drafter: DFlashDrafter) -> EvalResult:
         """Chain tau of `drafter` and tree tau at each budget, per depth and per domain."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from app.config import require_builtin_packages
 from app.data.dataset import load_tokenized, load_training_data
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.lossless import LosslessCheck
+from app.evaluate.predictability import describe_predictability
 from app.evaluate.prompts import prompts_from_dataset, prompts_from_file
 from app.evaluate.speculative import EvalResult
 from app.export import load_trained_drafter
@@ -31,6 +33,8 @@ class TrainedEvaluation:
     checkpoint: Path
     device: str
     result: EvalResult
+    predictability: dict[str, dict[str, Any]]
+    """How sure the target is of its own answers' tokens, per domain (`app.evaluate.predictability`)."""
     lossless: LosslessCheck | None = None
     """With `check_lossless`: the decodes against the target's plain greedy decode."""
 
@@ -40,7 +44,8 @@ class TrainedEvaluation:
 
     def describe(self) -> list[str]:
         header = f"eval: step {self.step} ({self.checkpoint}) on {self.device}, {len(self.result.per_prompt)} prompts"
-        return [header, *self.result.describe(), *([self.lossless.describe()] if self.lossless else [])]
+        lossless = [self.lossless.describe()] if self.lossless else []
+        return [header, *self.result.describe(), *describe_predictability(self.predictability), *lossless]
 
 
 def evaluate_trained(
@@ -91,4 +96,6 @@ def evaluate_trained(
     drafter = trained.build(target, device)
     result = evaluator(drafter)
     lossless = evaluator.check_lossless(drafter, result) if check_lossless else None
-    return TrainedEvaluation(trained.step, trained.checkpoint, str(device), result, lossless)
+    return TrainedEvaluation(
+        trained.step, trained.checkpoint, str(device), result, evaluator.predictability, lossless
+    )
