@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app.errors import UserError
+from app.model import decode
 from app.model.decode import BatchDecoder, DecodeShape, GenerateDecoder, batch_decoder
 from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
 
@@ -43,6 +44,18 @@ def test_rows_refilled_over_a_ring_of_slots_give_each_prompt_its_own_greedy_deco
     assert sorted(index for index, _ in streamed) == list(range(len(MORE)))
     answers = dict(streamed)
     assert [answers[i] for i in range(len(MORE))] == [greedy_reference(target, p, 15, None) for p in MORE]
+    stats = decoder.stats  # every answer runs to 15 tokens here: the first 2 start in the prefill
+    assert (stats.rows, stats.answer_tokens) == (
+        2,
+        15 * len(MORE),
+    ) and stats.steps % decode.STOP_CHECK_EVERY == 0
+    prompt_steps = sum(map(len, MORE[2:]))  # the refilled rows read their prompts one token per step
+    assert stats.answer_tokens - 2 + prompt_steps <= stats.rows * stats.steps  # 2: chosen by the prefill
+    assert stats.fill == stats.answer_tokens / (stats.rows * stats.steps)
+    assert (
+        f"{stats.answer_tokens} answer tokens in" in stats.describe()
+        and f"{stats.steps} steps of 2 rows" in stats.describe()
+    )
     assert decoder.decode([]) == []
 
 

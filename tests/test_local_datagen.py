@@ -198,3 +198,16 @@ def test_the_local_engine_refuses_a_rerun_with_any_one_setting_changed(finished_
     value, change = LOCAL_SETTING_CHANGES[key]
     with pytest.raises(UserError, match=re.escape(f"other settings ({change})")):
         run_local_datagen(config(finished_local_run, **{"max_tokens": 4, key: value}), quiet_console())
+
+
+def test_bench_decode_streams_the_config_s_prompts_and_profiles_its_step(tmp_path, tiny_lm_dir):
+    """`dflash bench decode` on the local engine's own path: the prompts it renders (the two-turn record
+    refused as datagen refuses it), the decode line and a profile of the step's operators."""
+    from app.bench.decode import run_decode_bench
+
+    lines: list[str] = []
+    run_decode_bench(config(tmp_path), count=7, profile_steps=2, log=lines.append)
+    assert any(line.startswith("bench decode: 6 prompts of 7, shape DecodeShape(rows=4,") for line in lines)
+    decoded = next(line for line in lines if line.startswith("decode: "))
+    assert re.search(r"answer tokens in .* steps of 4 rows, [\d.]+ ms a step; answers filled \d+%", decoded)
+    assert "2 decode steps" in lines[-1] and "aten::" in lines[-1]  # on a CPU: host operators by self time

@@ -1,4 +1,4 @@
-"""`dflash bench drafter|target|tree|pipeline|checkpoint|data|quality|windows`: benchmarks at a run config's exact shapes, their
+"""`dflash bench drafter|target|tree|pipeline|checkpoint|data|quality|decode|windows`: benchmarks at a run config's exact shapes, their
 data, and a finished run judged per log window."""
 
 from __future__ import annotations
@@ -257,6 +257,28 @@ def _variants(
     for settings in variants.values():
         load_config(config, [*overrides, *settings])
     return variants or {load_config(config, overrides).train.objective: []}
+
+
+@group.command("decode")
+def decode(
+    config: Annotated[
+        str, typer.Argument(help="Config file with datagen.prompts (e.g. configs/smollm2-quality.toml).")
+    ],
+    overrides: Overrides = None,
+    count: Annotated[
+        int, typer.Option("--count", min=1, help="Prompts decoded (the first of datagen.prompts).")
+    ] = 2048,
+    profile_steps: Annotated[
+        int, typer.Option("--profile-steps", min=0, help="Then profile this many decode steps (0: none).")
+    ] = 20,
+) -> None:
+    """The local engine's decoder at the config's datagen shape on its prompts: answer tokens/s, how full
+    the rows were, a step's time and its most expensive kernels."""
+    from app.bench.decode import run_decode_bench  # torch loads only for this command
+
+    run_decode_bench(
+        load_config(config, overrides or []), count, profile_steps, lambda line: print(line, flush=True)
+    )
 
 
 @group.command("windows")

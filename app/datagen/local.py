@@ -44,10 +44,7 @@ class _Prompt:
 
 def run_local_datagen(config: RunConfig, console: Console | None = None) -> DatagenReport:
     """Regenerate `datagen.prompts` with `config.target` into `datagen.output_dir` (module docstring)."""
-    from app.evaluate.evaluator import stop_token_ids  # heavy imports: after the cheap checks below
-    from app.model.decode import BatchDecoder, DecodeShape
-    from app.model.target import load_target
-    from app.train.setup import load_tokenizer, pick_device
+    from app.train.setup import load_tokenizer  # heavy imports: after the cheap checks below
 
     console = console or Console(stderr=True)
     datagen = config.datagen
@@ -75,34 +72,65 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
             )
             run.flush(force=True)
             return run.report
-        device = pick_device(config.train.device)
-        if device.type == "cuda":  # the decode step's kernels persist where training's do, never /tmp
-            from app.compile.environment import resolve_inductor_dir, use_compile_dirs
-
-            use_compile_dirs(resolve_inductor_dir(config.compile))
-        target = load_target(config, device)
-        shape = DecodeShape(
-            rows=min(datagen.local_rows, len(ready)),
-            max_prompt_tokens=max(len(p.ids) for p in ready),
-            max_new_tokens=datagen.max_tokens,
-        )
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        decoder = BatchDecoder(
-            target.model,
-            shape,
-            stop_token_ids(tokenizer, target),
-            temperature=datagen.temperature,
-            pad_token_id=pad,
-        )
-        if device.type == "cuda":
-            from app.compile.apply import compile_decode_step
-
-            compile_decode_step(decoder)
+        decoder = local_decoder(config, tokenizer, [p.ids for p in ready])
         store.record_settings(settings)
         run.generate(ready, decoder, tokenizer)
+        console.print(decoder.stats.describe(), highlight=False)
         return run.report
     finally:
         store.close()
+
+
+def local_decoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]) -> Any:
+    """The run's target and its batched decoder for `prompts` (`datagen.local_rows` rows, the longest
+    prompt, `datagen.max_tokens`; on CUDA its step compiled, kernels in the run's inductor directory)."""
+    from app.evaluate.evaluator import stop_token_ids
+    from app.model.decode import BatchDecoder, DecodeShape
+    from app.model.target import load_target
+    from app.train.setup import pick_device
+
+    datagen = config.datagen
+    device = pick_device(config.train.device)
+    if device.type == "cuda":  # the decode step's kernels persist where training's do, never /tmp
+        from app.compile.environment import resolve_inductor_dir, use_compile_dirs
+
+        use_compile_dirs(resolve_inductor_dir(config.compile))
+    target = load_target(config, device)
+    shape = DecodeShape(
+        rows=min(datagen.local_rows, len(prompts)),
+        max_prompt_tokens=max(map(len, prompts)),
+        max_new_tokens=datagen.max_tokens,
+    )
+    decoder = BatchDecoder(
+        target.model,
+        shape,
+        stop_token_ids(tokenizer, target),
+        temperature=datagen.temperature,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
+    if device.type == "cuda":
+        from app.compile.apply import compile_decode_step
+
+        compile_decode_step(decoder)
+    return decoder
+
+
+def render_prompt(
+    record: PromptRecord, tokenizer: PreTrainedTokenizerBase, config: RunConfig
+) -> list[int] | str:
+    """The record's prompt as token ids in the target's chat template, or why this engine cannot
+    answer it."""
+    datagen = config.datagen
+    if sum(turn.role == "assistant" for turn in record.turns) > 1:
+        return "the local engine answers one assistant turn; this record has several"
+    messages = [{"role": turn.role, "content": turn.content} for turn in record.turns[:-1]]
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **datagen.chat_template_kwargs
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > datagen.local_max_prompt_tokens:
+        return f"prompt of {len(ids)} tokens > datagen.local_max_prompt_tokens"
+    return ids
 
 
 class _LocalRun:
@@ -133,18 +161,11 @@ class _LocalRun:
         """Each record's prompt as token ids; records this engine cannot answer become failures."""
         ready = []
         for record in records:
-            slots = [index for index, turn in enumerate(record.turns) if turn.role == "assistant"]
-            if len(slots) > 1:
-                self._fail(record, "the local engine answers one assistant turn; this record has several")
+            ids = render_prompt(record, tokenizer, self.config)
+            if isinstance(ids, str):
+                self._fail(record, ids)
                 continue
             messages = [{"role": turn.role, "content": turn.content} for turn in record.turns[:-1]]
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **self.datagen.chat_template_kwargs
-            )
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > self.datagen.local_max_prompt_tokens:
-                self._fail(record, f"prompt of {len(ids)} tokens > datagen.local_max_prompt_tokens")
-                continue
             ready.append(_Prompt(record, ids, [{**m, "reasoning_content": None} for m in messages]))
         return sorted(ready, key=lambda p: len(p.ids))  # a batch pads to its longest prompt
 

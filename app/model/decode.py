@@ -27,6 +27,7 @@ sliding windows) cannot take this one mask over a static cache: they decode thro
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -67,6 +68,33 @@ class DecodeShape:
 
 
 @dataclass
+class DecodeStats:
+    """What one `stream` cost: how full its rows were and how long a step took."""
+
+    rows: int = 0
+    steps: int = 0
+    """Decode steps after the prefill (each one token for every row)."""
+    answer_tokens: int = 0
+    prefill_s: float = 0.0
+    seconds: float = 0.0
+    """Wall time of the whole stream, the prefill and the host's reads included."""
+
+    @property
+    def fill(self) -> float:
+        """Answer tokens per row-step: the rest went to reading prompts and to idle rows."""
+        return self.answer_tokens / max(self.rows * self.steps, 1)
+
+    def describe(self) -> str:
+        step_ms = 1e3 * (self.seconds - self.prefill_s) / max(self.steps, 1)
+        return (
+            f"decode: {self.answer_tokens} answer tokens in {self.seconds:.1f} s "
+            f"({self.answer_tokens / max(self.seconds, 1e-9):.0f} tok/s); prefill {self.prefill_s:.1f} s, then "
+            f"{self.steps} steps of {self.rows} rows, {step_ms:.2f} ms a step; answers filled {self.fill:.0%} "
+            f"of the row-steps (the rest read prompts or idled)"
+        )
+
+
+@dataclass
 class _Row:
     """What the host knows of one row: the prompt it answers and its answer so far."""
 
@@ -103,6 +131,8 @@ class BatchDecoder:
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.cache = StaticCache(config=model.config, max_cache_len=shape.cache_length)
+        self.stats = DecodeStats()
+        """The last `stream`'s cost (its figures grow while it runs)."""
         self.step: DecodeStep = self.decode_step
         """The decode step; `app.compile.apply.compile_decode_step` replaces it with its compiled self."""
         self.key_slots = torch.arange(shape.cache_length, device=model.device)
@@ -140,11 +170,15 @@ class BatchDecoder:
         queue = deque(range(len(prompts)))
         held: list[_Row | None] = [None] * self.shape.rows
         chosen = torch.zeros(self.shape.rows, STOP_CHECK_EVERY, dtype=torch.long, device=device)
+        self.stats = stats = DecodeStats(rows=self.shape.rows)
+        started = time.monotonic()
         with packed_attention(self.model):
             last, steps = self._prefill(prompts, queue, held, generator)
+            stats.prefill_s = stats.seconds = time.monotonic() - started
             for row, (state, token) in enumerate(zip(held, last.tolist(), strict=True)):
                 if state is not None and state.take(token, stops, limit):
                     held[row] = None
+                    stats.answer_tokens += len(state.answer)
                     yield state.prompt, state.answer
             step = torch.tensor(steps, device=device)
             while True:
@@ -159,8 +193,13 @@ class BatchDecoder:
                     )
                     last.copy_(chosen[:, column])
                     step += 1
-                yield from self._collect(chosen.tolist(), held, steps, stops)
+                for index, answer in self._collect(chosen.tolist(), held, steps, stops):
+                    stats.answer_tokens += len(answer)
+                    stats.seconds = time.monotonic() - started
+                    yield index, answer
                 steps += STOP_CHECK_EVERY
+                stats.steps += STOP_CHECK_EVERY
+                stats.seconds = time.monotonic() - started
 
     def _prefill(
         self, prompts: Sequence[Sequence[int]], queue: deque[int], held: list, generator: torch.Generator
