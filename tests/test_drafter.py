@@ -459,7 +459,7 @@ def test_the_mask_token_id_changes_what_the_drafter_sees(sliding_setup):
 
 
 def test_a_profile_ranks_operators_by_self_time_with_their_counts():
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)  # far costlier than the rest even on a loaded CPU
 
     def call() -> None:
         for _ in range(3):
@@ -480,7 +480,7 @@ def test_a_profile_ranks_operators_by_self_time_with_their_counts():
 def test_a_profile_s_matmuls_are_grouped_by_shape_with_their_flops():
     """mm, addmm (its first input is the added term) and bmm, grouped by operator and shape, the
     costliest first; the header's FLOPs are the products' (2 M K N, times the batch)."""
-    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)  # far costlier than the rest even on a loaded CPU
     x, w, bias = torch.randn(32, 16), torch.randn(16, 8), torch.randn(8)
     p, q = torch.randn(4, 8, 16), torch.randn(4, 16, 2)
 
@@ -493,13 +493,13 @@ def test_a_profile_s_matmuls_are_grouped_by_shape_with_their_flops():
     table = profile_table(call, torch.device("cpu"), rows=5, what="matmuls", matmuls=True).splitlines()
     start = next(i for i, line in enumerate(table) if line.startswith("matmuls by shape"))
     header, rows = table[start], table[start + 1 :]
-    flop = 3 * 2 * 256**3 + 2 * 32 * 16 * 8 + 2 * 4 * 8 * 16 * 2
+    flop = 3 * 2 * 512**3 + 2 * 32 * 16 * 8 + 2 * 4 * 8 * 16 * 2
     assert re.fullmatch(
         rf"matmuls by shape \(top 3 of 3, [\d.]+ ms for {flop / 1e9:,.3f} GFLOP, .*\):", header
     )
     calls = [row.split()[2] for row in rows]
     products = [" ".join(row.split()[5:]) for row in rows]
-    assert calls[0] == "x3" and products[0] == "aten::mm 256 x 256 @ 256 x 256"  # the costliest
+    assert calls[0] == "x3" and products[0] == "aten::mm 512 x 512 @ 512 x 512"  # the costliest
     assert calls[1:] == ["x1", "x1"] and sorted(products[1:]) == [
         "aten::addmm 32 x 16 @ 16 x 8",
         "aten::bmm 4 x 8 x 16 @ 16 x 2",
