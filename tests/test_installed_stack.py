@@ -9,28 +9,39 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from app.env import assess, collect_fingerprint, diff_fingerprints
+from app.env.origins import site_packages
 from app.env.preflight import require_locked_versions
 from app.errors import UserError
 from tests.helpers import run_dflash
 from tests.test_doctor import write_distribution
 
 SYNC = "fix: ./uvw sync (in the image: rebuild it from uv.lock)"
+UNSET = "or unset PYTHONPATH (it comes before the venv on sys.path)"
 
 
 def test_a_locked_package_transformers_rejects_is_the_guards_line_not_its_traceback(tmp_path: Path) -> None:
     """safetensors 0.7.0 shadowing the locked 0.8.0: transformers' import-time check raised a 50-line
     ImportError advising `pip install transformers -U`; `dflash train` names the package and the fix
-    in one line before anything imports transformers, and makes no run directory."""
+    in one line before anything imports transformers, and makes no run directory. The copy is on
+    PYTHONPATH, so the fix removes it (no sync would); with it, a tokenizers package there that would
+    import instead of the venv's."""
     site = tmp_path / "site"
     write_distribution(site, "safetensors", "0.7.0")
+    (site / "tokenizers").mkdir()
+    (site / "tokenizers" / "__init__.py").write_text("raise ImportError('a stale copy')\n")
     run_dir = tmp_path / "run"
     done = run_dflash(
         "train", "configs/tiny.toml", f"train.output_dir={run_dir}", env={"PYTHONPATH": str(site)}
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.splitlines() == [
-        f"dflash: error: safetensors 0.7.0 installed, uv.lock pins 0.8.0; {SYNC}"
+        f"dflash: error: safetensors 0.7.0 installed in {site}, uv.lock pins 0.8.0; fix: remove that "
+        f"safetensors copy, {UNSET}; tokenizers imports from {site / 'tokenizers'}, not the venv's "
+        f"site-packages ({', '.join(site_packages())}): that copy shadows the locked one; fix: remove "
+        f"{site / 'tokenizers'}, {UNSET}"
     ], done.stderr
     assert not run_dir.exists()
 
@@ -38,17 +49,57 @@ def test_a_locked_package_transformers_rejects_is_the_guards_line_not_its_traceb
 def test_an_allowed_drift_runs_off_lock_versions_but_not_one_an_installed_package_rejects(
     tmp_path: Path,
 ) -> None:
+    """A copy inside the venv (`site` counts the directory as the venv's) is fixed by a sync."""
     accepted, rejected = tmp_path / "accepted", tmp_path / "rejected"
     write_distribution(accepted, "safetensors", "0.9.0")  # transformers asks for >= 0.8.0
     write_distribution(rejected, "safetensors", "0.7.0")
-    require_locked_versions(allow_drift=True, search_path=[str(accepted), *sys.path])
+    venv = [str(accepted), str(rejected), *site_packages()]
+    require_locked_versions(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
     with pytest.raises(UserError) as refused:
-        require_locked_versions(allow_drift=False, search_path=[str(accepted), *sys.path])
+        require_locked_versions(allow_drift=False, search_path=[str(accepted), *sys.path], site=venv)
     assert str(refused.value) == f"safetensors 0.9.0 installed, uv.lock pins 0.8.0; {SYNC}"
     with pytest.raises(UserError) as refused:
-        require_locked_versions(allow_drift=True, search_path=[str(rejected), *sys.path])
+        require_locked_versions(allow_drift=True, search_path=[str(rejected), *sys.path], site=venv)
     assert str(refused.value) == (
         "safetensors 0.7.0 installed, uv.lock pins 0.8.0 (transformers requires safetensors>=0.8.0: "
         f"not even train.allow_environment_drift can run it); {SYNC}"
     )
     require_locked_versions(allow_drift=False)  # this venv is the lock
+
+
+def test_the_fingerprint_says_where_each_key_package_imports_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The venv's copies and PYTHONPATH are recorded; a copy elsewhere is a problem (and a breaking
+    difference) whose fix names that copy, and a second dist-info's fix names the one outside the
+    venv, not the venv's own, whichever comes first."""
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    fingerprint = collect_fingerprint()
+    imports = fingerprint["imports"]
+    assert imports["pythonpath"] == str(tmp_path) and imports["shadowed"] == []
+    assert imports["origins"]["torch"] == str(Path(torch.__file__).resolve().parent)
+    assert imports["origins"]["fla"] is None or imports["origins"]["fla"].startswith(
+        imports["site_packages"][0]
+    )
+    stale = str(tmp_path / "torch")
+    shadowed = {**imports, "origins": {**imports["origins"], "torch": stale}, "shadowed": ["torch"]}
+    venv = imports["site_packages"][0]
+    twice = {"name": "safetensors", "versions": ["0.8.0", "0.7.0"], "locations": [venv, str(tmp_path)]}
+    drifted = {
+        **fingerprint,
+        "imports": shadowed,
+        "packages": {**fingerprint["packages"], "duplicates": [twice]},
+    }
+    problems = [(f.message, f.fix) for f in assess(drifted) if f.level == "problem"]
+    assert problems == [
+        (f"safetensors installed 2 times: 0.8.0, 0.7.0 (in {venv}, {tmp_path})",
+         f"remove the safetensors copies in {tmp_path}, {UNSET}"),
+        (f"torch imports from {stale}, not the venv's site-packages ({', '.join(imports['site_packages'])}): "
+         "that copy shadows the locked one", f"remove {stale}, {UNSET}"),
+    ]  # fmt: skip
+    changes = [
+        (d.field, d.breaking)
+        for d in diff_fingerprints(fingerprint, drifted)
+        if d.field.startswith("imports")
+    ]
+    assert changes == [("imports.shadowed", True)]

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from app.env.compiler_flags import degrading_flags
 from app.env.fingerprint import FAST_KERNELS
+from app.env.origins import in_site, removal_fix
 from app.env.packages import is_core_stack
 from app.env.project import LOCK_FILE
 
@@ -37,6 +38,7 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
         *_torch_findings(fingerprint),
         *_lock_edit_findings(fingerprint),
         *_package_findings(fingerprint),
+        *shadow_findings(fingerprint),
         *_compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
         *_bytecode_findings(fingerprint),
@@ -112,29 +114,61 @@ def _package_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     # The packages that decide kernels get a line each; a long tail of off-lock utilities gets one line.
     core = [entry for entry in packages["mismatched"] if is_core_stack(entry["name"])]
     rest = [entry for entry in packages["mismatched"] if not is_core_stack(entry["name"])]
+    imports = fingerprint.get("imports") or {}
     for entry in core:
         locked = " or ".join(entry["locked"])
-        found.append(
-            Finding("problem", f"{entry['name']} {entry['installed']} installed, uv.lock pins {locked}", SYNC)
-        )
+        message = f"{entry['name']} {entry['installed']} installed, uv.lock pins {locked}"
+        found.append(Finding("problem", message, _version_fix([entry], imports)))
     if rest:
         found.append(
             Finding(
                 "problem",
                 f"{len(rest)} more packages at other versions than uv.lock: {_listed(rest, 'installed')}",
-                SYNC,
+                _version_fix(rest, imports),
             )
         )
-    for entry in packages["duplicates"]:
-        versions = ", ".join(entry["versions"])
-        found.append(
-            Finding(
-                "problem",
-                f"{entry['name']} installed {len(entry['versions'])} times: {versions}",
-                f"remove the copies outside the venv ({', '.join(entry['locations'][1:])}), then {SYNC}",
-            )
-        )
+    found += [_duplicate_finding(entry, imports) for entry in packages["duplicates"]]
     return found
+
+
+def _version_fix(entries: list[dict[str, Any]], imports: dict[str, Any]) -> str:
+    """./uvw sync for the venv's own copies; a copy outside the venv (PYTHONPATH) no sync touches."""
+    site = imports.get("site_packages") or []
+    outside = sorted(
+        {e["location"] for e in entries if site and e.get("location") and not in_site(e["location"], site)}
+    )
+    if not outside:
+        return SYNC
+    names = ", ".join(sorted({e["name"] for e in entries if e.get("location") in outside}))
+    return removal_fix(f"the copies of {names} in {', '.join(outside)}", outside, imports.get("pythonpath"))
+
+
+def _duplicate_finding(entry: dict[str, Any], imports: dict[str, Any]) -> Finding:
+    """Two copies of one package: the fix names those outside the venv's site-packages (a PYTHONPATH
+    copy comes first on sys.path, so the venv's is not the one to remove)."""
+    site = imports.get("site_packages") or []
+    outside = [location for location in entry["locations"] if site and not in_site(location, site)]
+    copies = f"{entry['name']} installed {len(entry['versions'])} times: {', '.join(entry['versions'])}"
+    if outside:
+        message = f"{copies} (in {', '.join(entry['locations'])})"
+        what = f"the {entry['name']} copies in {', '.join(outside)}"
+        return Finding("problem", message, removal_fix(what, outside, imports.get("pythonpath")))
+    return Finding("problem", copies, f"./uvw sync --reinstall-package {entry['name']}")
+
+
+def shadow_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """A key package that imports from outside the venv: what runs is not what uv.lock installed."""
+    imports = fingerprint.get("imports") or {}
+    site = ", ".join(imports.get("site_packages") or [])
+    return [
+        Finding(
+            "problem",
+            f"{module} imports from {imports['origins'][module]}, not the venv's site-packages ({site}): "
+            "that copy shadows the locked one",
+            removal_fix(imports["origins"][module], [imports["origins"][module]], imports.get("pythonpath")),
+        )
+        for module in imports.get("shadowed") or []
+    ]
 
 
 def _compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:

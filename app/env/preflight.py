@@ -10,6 +10,7 @@ every locked package, whatever would import it.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -19,20 +20,27 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 
 from app.env.guard import ALLOW_SETTING
-from app.env.health import SYNC
+from app.env.health import SYNC, shadow_findings
+from app.env.origins import import_origins, in_site, removal_fix, site_packages
 from app.env.packages import installed_distributions, normalize_name, package_drift, read_lock, versions_in
 from app.env.project import LOCK_FILE, find_project_root
 from app.errors import UserError
 
 
 def require_locked_versions(
-    *, allow_drift: bool, search_path: Sequence[str] | None = None, project_root: Path | None = None
+    *,
+    allow_drift: bool,
+    search_path: Sequence[str] | None = None,
+    project_root: Path | None = None,
+    site: Sequence[str] | None = None,
 ) -> None:
-    """Refuse, in one line naming each package and the fix, a locked package at another version.
+    """Refuse, in one line naming each package and the fix, a locked package at another version, and
+    a key package imported from a copy outside the venv.
 
     `allow_drift` (train.allow_environment_drift) lets a start run with off-lock versions, but not
     with one that another installed package rejects: that start would only crash at import.
-    `search_path` overrides sys.path; `project_root` the search for pyproject.toml and uv.lock.
+    `search_path` overrides sys.path; `project_root` the search for pyproject.toml and uv.lock; `site`
+    the venv's site-packages (what a copy outside of is no sync's to fix).
     """
     root = project_root if project_root is not None else find_project_root()
     if root is None or not (root / LOCK_FILE).is_file():
@@ -50,15 +58,27 @@ def require_locked_versions(
             for entry in mismatched
             if entry["name"] in rejected
         ]
-    if mismatched:
-        raise UserError("; ".join(_described(entry) for entry in mismatched) + f"; fix: {SYNC}")
+    lines = [_described(entry, site_packages() if site is None else site) for entry in mismatched]
+    if not allow_drift:  # the guard names a shadowing copy too, but only after transformers imported it
+        lines += [finding.line() for finding in shadow_findings({"imports": import_origins()})]
+    if lines:
+        raise UserError("; ".join(lines))
 
 
-def _described(entry: dict[str, Any]) -> str:
-    line = f"{entry['name']} {entry['installed']} installed, uv.lock pins {' or '.join(entry['locked'])}"
+def _described(entry: dict[str, Any], site: Sequence[str]) -> str:
+    """`NAME VERSION installed, uv.lock pins V; fix: ...`: ./uvw sync for the venv's own copy, removal
+    (or PYTHONPATH) for a copy outside it, which no sync touches."""
+    outside = not in_site(entry["location"], site)
+    where = f" in {entry['location']}" if outside else ""
+    line = (
+        f"{entry['name']} {entry['installed']} installed{where}, uv.lock pins {' or '.join(entry['locked'])}"
+    )
     if "rejected_by" in entry:
         line += f" ({entry['rejected_by']}: not even {ALLOW_SETTING} can run it)"
-    return line
+    if outside:
+        what = f"that {entry['name']} copy"
+        return f"{line}; fix: {removal_fix(what, [entry['location']], os.environ.get('PYTHONPATH'))}"
+    return f"{line}; fix: {SYNC}"
 
 
 def _rejections(mismatched: list[dict[str, Any]], search_path: Sequence[str] | None) -> dict[str, str]:
