@@ -5,6 +5,9 @@ never in the venv."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +18,7 @@ from app.env import assess, collect_fingerprint, diff_fingerprints
 from app.env.origins import site_packages
 from app.env.preflight import require_locked_versions
 from app.errors import UserError
-from tests.helpers import run_dflash
+from tests.helpers import ROOT, run_dflash
 from tests.test_doctor import write_distribution
 
 SYNC = "fix: ./uvw sync (in the image: rebuild it from uv.lock)"
@@ -103,3 +106,24 @@ def test_the_fingerprint_says_where_each_key_package_imports_from(
         if d.field.startswith("imports")
     ]
     assert changes == [("imports.shadowed", True)]
+
+
+def test_the_documented_doctor_shows_the_environment_as_it_was(tmp_path: Path) -> None:
+    """`just doctor` and the docs run the doctor without uv's sync (which repaired an off-lock version
+    first and then reported OK): the recipe's own command line, run with safetensors 0.7.0 on the
+    path, reports it and exits 1."""
+    recipe = re.search(r"^doctor \*args:\n((?:    .*\n)+)", (ROOT / "Justfile").read_text(), re.MULTILINE)
+    assert recipe is not None
+    assert recipe.group(1).strip() == "./uvw run --no-sync dflash doctor {{args}}"
+    for doc in ("README.md", "docs/guide.md", "docs/containers.md"):
+        assert "uvw run dflash doctor" not in (ROOT / doc).read_text(), doc
+    site = tmp_path / "site"
+    write_distribution(site, "safetensors", "0.7.0")
+    command = recipe.group(1).strip().replace("{{args}}", "").split()
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(site), "COLUMNS": "400"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "problem: safetensors 0.7.0 installed, uv.lock pins 0.8.0\n" in done.stdout
+    assert "verdict: NOT the locked training stack" in done.stdout
