@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
 
 from app.env import assess, collect_fingerprint, diff_fingerprints
+from app.env.health import edited_file_findings
+from app.env.integrity import edited_files
 from app.env.origins import site_packages
 from app.env.preflight import require_locked_versions
 from app.errors import UserError
@@ -127,3 +131,41 @@ def test_the_documented_doctor_shows_the_environment_as_it_was(tmp_path: Path) -
     assert done.returncode == 1, done.stdout + done.stderr
     assert "problem: safetensors 0.7.0 installed, uv.lock pins 0.8.0\n" in done.stdout
     assert "verdict: NOT the locked training stack" in done.stdout
+
+
+def test_a_file_edited_inside_an_installed_package_is_named_with_its_fix(tmp_path: Path) -> None:
+    """A copy of the venv's safetensors (never the venv's own files) with one file patched in place
+    (same size), one grown and one deleted: each is named against the wheel's RECORD, the doctor's
+    fix reinstalls it past uv's hardlinked cache (or removes a copy outside the venv), it is a breaking
+    difference, and dflash train's early check refuses it."""
+    installed = metadata.distribution("safetensors")
+    site = tmp_path / "site"
+    for part in ("safetensors", f"safetensors-{installed.version}.dist-info"):
+        shutil.copytree(installed.locate_file(part), site / part)
+    patched = site / "safetensors" / "torch.py"
+    patched.write_text(patched.read_text().replace("import torch", "import tarch", 1))
+    with (site / "safetensors" / "numpy.py").open("a") as handle:
+        handle.write("# patched\n")
+    (site / "safetensors" / "flax.py").unlink()
+
+    edited = edited_files([str(site)], packages=["safetensors"])
+    assert [(e["file"], e["why"]) for e in edited] == [
+        ("safetensors/flax.py", "missing"), ("safetensors/numpy.py", "size"), ("safetensors/torch.py", "content"),
+    ]  # fmt: skip
+    assert edited_files(packages=["safetensors"]) == []  # the venv's own copy is untouched
+    in_venv = {"imports": {"site_packages": [str(site)]}, "installed_files": {"edited": edited}}
+    (finding,) = edited_file_findings(in_venv)
+    assert finding.message == (
+        f"safetensors {installed.version} in {site}: 3 files differ from its wheel's RECORD (edited after "
+        "install): safetensors/flax.py (missing), safetensors/numpy.py (size), safetensors/torch.py (content)"
+    )
+    assert finding.fix.startswith(
+        "./uvw cache clean safetensors, then ./uvw sync --reinstall-package safetensors (uv hardlinks"
+    )
+    changes = diff_fingerprints({}, in_venv)
+    assert [(d.field, d.breaking) for d in changes] == [("installed_files.edited", True)]
+    # a recording from before the check is no difference from a clean start
+    assert diff_fingerprints({}, {"installed_files": {"edited": []}, "imports": {"shadowed": []}}) == []
+    with pytest.raises(UserError) as refused:
+        require_locked_versions(allow_drift=False, search_path=[str(site), *sys.path])
+    assert str(refused.value).endswith("safetensors/torch.py (content); fix: remove that safetensors copy")

@@ -19,6 +19,12 @@ from app.env.project import LOCK_FILE
 Level = Literal["problem", "warning", "info"]
 SYNC = "./uvw sync (in the image: rebuild it from uv.lock)"
 """The fix for a venv that is not uv.lock: uv sync installs exactly the lock and removes the rest."""
+REINSTALL = (
+    "./uvw cache clean {name}, then ./uvw sync --reinstall-package {name} (uv hardlinks its cache into "
+    "the venv, so the edit is in the cache too and a reinstall alone brings it back)"
+)
+"""The fix for an edited installed file (`./uvw sync --locked` sees the version installed and does nothing)."""
+EDITED_FILES_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
         *_lock_edit_findings(fingerprint),
         *_package_findings(fingerprint),
         *shadow_findings(fingerprint),
+        *edited_file_findings(fingerprint),
         *_compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
         *_bytecode_findings(fingerprint),
@@ -169,6 +176,33 @@ def shadow_findings(fingerprint: dict[str, Any]) -> list[Finding]:
         )
         for module in imports.get("shadowed") or []
     ]
+
+
+def edited_file_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """A package copy whose files differ from its wheel's RECORD: edited after install."""
+    imports = fingerprint.get("imports") or {}
+    copies: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for entry in (fingerprint.get("installed_files") or {}).get("edited") or []:
+        copies.setdefault((entry["package"], entry["location"]), []).append(entry)
+    found = []
+    for (name, location), entries in copies.items():
+        files = ", ".join(f"{e['file']} ({e['why']})" for e in entries[:EDITED_FILES_SHOWN])
+        more = f" and {len(entries) - EDITED_FILES_SHOWN} more" if len(entries) > EDITED_FILES_SHOWN else ""
+        message = (
+            f"{name} {entries[0]['version']} in {location}: {_files(len(entries))} from its wheel's RECORD "
+            f"(edited after install): {files}{more}"
+        )
+        site = imports.get("site_packages") or []
+        if site and not in_site(location, site):
+            fix = removal_fix(f"that {name} copy", [location], imports.get("pythonpath"))
+        else:
+            fix = REINSTALL.format(name=name)
+        found.append(Finding("problem", message, fix))
+    return found
+
+
+def _files(count: int) -> str:
+    return "1 file differs" if count == 1 else f"{count} files differ"
 
 
 def _compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:

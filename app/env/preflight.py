@@ -20,7 +20,8 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 
 from app.env.guard import ALLOW_SETTING
-from app.env.health import SYNC, shadow_findings
+from app.env.health import SYNC, edited_file_findings, shadow_findings
+from app.env.integrity import edited_files
 from app.env.origins import import_origins, in_site, removal_fix, site_packages
 from app.env.packages import installed_distributions, normalize_name, package_drift, read_lock, versions_in
 from app.env.project import LOCK_FILE, find_project_root
@@ -34,8 +35,8 @@ def require_locked_versions(
     project_root: Path | None = None,
     site: Sequence[str] | None = None,
 ) -> None:
-    """Refuse, in one line naming each package and the fix, a locked package at another version, and
-    a key package imported from a copy outside the venv.
+    """Refuse, in one line naming each package and the fix, a locked package at another version, a
+    key package imported from a copy outside the venv, and a file edited inside an installed package.
 
     `allow_drift` (train.allow_environment_drift) lets a start run with off-lock versions, but not
     with one that another installed package rejects: that start would only crash at import.
@@ -59,8 +60,9 @@ def require_locked_versions(
             if entry["name"] in rejected
         ]
     lines = [_described(entry, site_packages() if site is None else site) for entry in mismatched]
-    if not allow_drift:  # the guard names a shadowing copy too, but only after transformers imported it
-        lines += [finding.line() for finding in shadow_findings({"imports": import_origins()})]
+    if not allow_drift:  # the guard names these too, but only after transformers imported the copy
+        found = {"imports": import_origins(), "installed_files": {"edited": edited_files(search_path)}}
+        lines += [finding.line() for finding in [*shadow_findings(found), *edited_file_findings(found)]]
     if lines:
         raise UserError("; ".join(lines))
 
