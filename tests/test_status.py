@@ -133,6 +133,8 @@ def test_a_resume_is_compared_with_its_own_last_good_start_and_a_drifted_sibling
     record = resumed / "environment.jsonl"
     start = json.loads(record.read_text().splitlines()[-1])
     start["fingerprint"]["torch"]["version"] = "2.11.0+cu130"
+    # flash-linear-attention too, which the tiny target (no linear-attention layer) never runs
+    start["fingerprint"]["fast_kernels"]["fla"] = {"present": True, "version": "0.6.0", "error": None}
     drifted = {**start, "start": 2, "step": 4, "accepted": ["since start 1: torch.version ..."]}
     with record.open("a") as handle:
         handle.write(json.dumps(drifted) + "\n")
@@ -157,6 +159,7 @@ def test_a_resume_is_compared_with_its_own_last_good_start_and_a_drifted_sibling
         own = lines[lines.index(header) + 1 :]
         assert own[:2] == ["  environment: 1 breaking difference", f"    torch.version: {torch.__version__} -> "
                            "2.11.0+cu130 (another torch build: other kernels, compile cache invalid)"]  # fmt: skip
+        assert any(line.startswith("    cosmetic: ") and "fast_kernels.fla.present" in line for line in own)
         text, healthy = render_status(healthy_run)
         assert healthy and "what changed: no completed, healthy run next to this one" in text
     finally:

@@ -22,6 +22,7 @@ from app.env import (
     read_starts,
     recorded_fingerprint,
 )
+from app.env.guard import for_target
 from app.errors import UserError
 from app.telemetry.logline import format_duration
 from app.telemetry.status import read_status, seconds_since
@@ -101,7 +102,7 @@ def own_comparison(run_dir: Path) -> Comparison | None:
     comparison = Comparison(
         against=run_dir,
         chosen_by=f"{reference.describe()}, to the newest: {newest.describe()}",
-        environment=diff_fingerprints(reference.fingerprint, newest.fingerprint),
+        environment=for_target(newest, diff_fingerprints(reference.fingerprint, newest.fingerprint)),
         own_run=True,
     )
     if reference.config is None or newest.config is None:
