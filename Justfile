@@ -24,9 +24,10 @@ lint:
     ./uvw run ruff format --check app tests
     ./uvw lock --check
 
-# print this machine's environment fingerprint (add --against RUN_DIR to diff)
+# print this machine's environment fingerprint (add --against RUN_DIR to diff); --no-sync: a plain
+# `uv run` syncs the venv first, repairing the drift it was asked to show, and then reports OK
 doctor *args:
-    ./uvw run dflash doctor {{args}}
+    ./uvw run --no-sync dflash doctor {{args}}
 
 # print a resolved config: just config configs/qwen3-8b-h200.toml train.lr=1e-4
 config file=config *overrides:

@@ -104,13 +104,16 @@ def test_a_resume_in_another_stack_is_refused_naming_each_change(
     tiny_lm_dir, tiny_conversations, tmp_path: Path
 ) -> None:
     """The run's first start recorded another torch build and another version of one file of the
-    appliance: a resume here is refused with a line for each, and appends nothing to the record."""
+    appliance: a resume here is refused with a line for each, and appends nothing to the record.
+    It also recorded flash-linear-attention, which the tiny target (no linear-attention layer) never
+    uses: no finding."""
     config = small_config(tiny_conversations, tmp_path, "train.max_steps=1")
     Trainer(config, log=quiet).run()
     record = tmp_path / ENVIRONMENT_RECORD
     start = json.loads(record.read_text())
     start["fingerprint"]["torch"]["version"] = "2.9.1"
     start["fingerprint"]["code"]["model/drafter.py"] = "0" * 16
+    start["fingerprint"]["fast_kernels"]["fla"] = {"present": True, "version": "0.6.0", "error": None}
     record.write_text(json.dumps(start) + "\n")
     before = record.read_bytes()
     resumed = small_config(tiny_conversations, tmp_path, "train.max_steps=1")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from PIL import Image
 
 from app.compile.guard import throughput_watch
@@ -118,6 +119,52 @@ def test_a_healthy_run_in_another_stack_than_the_last_good_run_is_degraded(healt
         assert "torch.version: " in text and "-> 2.11.0+cu130" in text
     finally:
         shutil.rmtree(run_dir)  # other tests look for siblings of the healthy run
+
+
+def test_a_resume_is_compared_with_its_own_last_good_start_and_a_drifted_sibling_is_no_reference(
+    healthy_run: Path,
+) -> None:
+    """A copy of the healthy run resumed with another torch, allowed on purpose: its status says what
+    changed since its own last good start. A second copy whose status says healthy but whose record
+    holds SGLang (a drift the guard of its day missed) is no "last good run" for the healthy one."""
+    resumed, undetected = healthy_run.parent / "resumed", healthy_run.parent / "undetected"
+    for copy in (resumed, undetected):
+        shutil.copytree(healthy_run, copy)
+    record = resumed / "environment.jsonl"
+    start = json.loads(record.read_text().splitlines()[-1])
+    start["fingerprint"]["torch"]["version"] = "2.11.0+cu130"
+    # flash-linear-attention too, which the tiny target (no linear-attention layer) never runs
+    start["fingerprint"]["fast_kernels"]["fla"] = {"present": True, "version": "0.6.0", "error": None}
+    drifted = {**start, "start": 2, "step": 4, "accepted": ["since start 1: torch.version ..."]}
+    with record.open("a") as handle:
+        handle.write(json.dumps(drifted) + "\n")
+    polluted = json.loads((undetected / "environment.jsonl").read_text())
+    polluted["fingerprint"]["packages"]["stray"] = [
+        {"name": "sglang", "version": "0.5.3", "inference_stack": True, "location": "/x"}
+    ]
+    (undetected / "environment.jsonl").write_text(json.dumps(polluted) + "\n")
+    try:
+        text, healthy = render_status(resumed)
+        assert not healthy
+        lines = text.splitlines()
+        assert (
+            "  active: the environment differs from this run's last good start (breaking; see what changed)"
+            in lines
+        )
+        header = next(
+            line for line in lines if line.startswith("what changed since this run's last good start")
+        )
+        assert header.startswith("what changed since this run's last good start (start 1 (step 0, ")
+        assert header.endswith(f"to the newest: start 2 (step 4, {start['at']})):")
+        own = lines[lines.index(header) + 1 :]
+        assert own[:2] == ["  environment: 1 breaking difference", f"    torch.version: {torch.__version__} -> "
+                           "2.11.0+cu130 (another torch build: other kernels, compile cache invalid)"]  # fmt: skip
+        assert any(line.startswith("    cosmetic: ") and "fast_kernels.fla.present" in line for line in own)
+        text, healthy = render_status(healthy_run)
+        assert healthy and "what changed: no completed, healthy run next to this one" in text
+    finally:
+        shutil.rmtree(resumed)  # other tests look for siblings of the healthy run
+        shutil.rmtree(undetected)
 
 
 def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Path) -> None:

@@ -20,6 +20,7 @@ from app.errors import UserError
 from app.model.flops import forward_flops, step_flops
 from app.model.objective import drafter_loss
 from app.pipeline.counters import GatheredWindow
+from app.train.ranks import run_drafter_rank
 from app.train.schedule import learning_rate
 from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
 from tests.helpers import (
@@ -321,6 +322,35 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(
         ),
     ):
         Trainer(config, resume=True, log=quiet)
+
+
+def test_a_resume_it_would_refuse_after_loading_is_refused_before_the_data_loads(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """`dflash train --resume` (run_drafter_rank) with a changed training signal, then with every
+    checkpoint truncated: refused naming why before the data loads (its file is gone by then: loading
+    it would be another error), not after the data and the target (minutes at production size)."""
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(Path(tiny_conversations).read_bytes())
+    run_dir = tmp_path / "run"
+    run_drafter_rank(
+        small_config(data, run_dir, "train.max_steps=2", "train.save_every=1"), None, False, quiet
+    )
+    data.unlink()
+    changed = small_config(data, run_dir, "train.max_steps=3", "train.anchors=32")
+    with pytest.raises(
+        UserError, match=r"step_00000002: cannot resume: training signal train\.anchors changed"
+    ):
+        run_drafter_rank(changed, None, True, quiet)
+    for path in complete_checkpoints(checkpoint_root(run_dir)):
+        (path / "model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(UserError) as refused:
+        run_drafter_rank(small_config(data, run_dir, "train.max_steps=3"), None, True, quiet)
+    assert re.search(
+        r"cannot resume: every checkpoint fails verification \(step_00000001: model\.safetensors is "
+        r"truncated \(7 of \d+ bytes\); step_00000002: ",
+        str(refused.value),
+    ), refused.value
 
 
 def test_a_non_finite_step_is_never_checkpointed(

@@ -60,6 +60,20 @@ def _at(dotted: str) -> Callable[[Fingerprint], Any]:
     return read
 
 
+def _listed_at(dotted: str) -> Callable[[Fingerprint], Any]:
+    """Reader for a list that recordings from before it lack: absent and empty both read as None, so
+    a resume of such a run is no difference."""
+    return lambda fingerprint: _at(dotted)(fingerprint) or None
+
+
+def _edited_files(fingerprint: Fingerprint) -> list[str] | None:
+    edited = _at("installed_files.edited")(fingerprint) or []
+    return (
+        sorted(f"{entry.get('package')}: {entry.get('file')}" for entry in edited if isinstance(entry, dict))
+        or None
+    )
+
+
 def _python_minor_changed(old: Any, new: Any) -> bool:
     return str(old).split(".")[:2] != str(new).split(".")[:2]
 
@@ -96,6 +110,12 @@ RULES: tuple[_Rule, ...] = (
           "hybrid targets switch between the fused conv kernel and the slow reference path"),
     _Rule("fast_kernels.causal_conv1d.version", _at("fast_kernels.causal_conv1d.version"), True,
           "another causal-conv1d build"),
+    _Rule("installed_files.edited", _edited_files, True,
+          "a file of an installed package differs from its wheel (edited in site-packages)"),
+    _Rule("imports.shadowed", _listed_at("imports.shadowed"), True,
+          "a copy outside the venv (PYTHONPATH) imports instead of the locked one"),
+    _Rule("imports.pythonpath", _at("imports.pythonpath"), False,
+          "what it puts ahead of the venv is compared above (imports.shadowed, duplicated packages)"),
     _Rule("host.hostname", _at("host.hostname"), False, "same stack, another box"),
     _Rule("host.platform", _at("host.platform"), False, "OS kernel release"),
     _Rule("created_at", _at("created_at"), False, "when the fingerprint was taken"),

@@ -3,7 +3,8 @@
 Two kinds of finding refuse a start: the doctor's problems (not the locked stack: an inference-stack
 or stray package, a version the lock does not pin, a package the lock installs that is absent, a
 compiler flag that disables or degrades compilation), and on a resume every breaking difference from
-the run's last good start (another torch build, an edited file of the appliance). The refusal names
+the run's last good start (another torch build, an edited file of the appliance; the hybrid-target
+kernels only where the run's target uses them). The refusal names
 each finding and its fix in a line. `train.allow_environment_drift` runs anyway; the start then records
 what it accepted and the run's status says DEGRADED.
 """
@@ -61,11 +62,40 @@ def check_environment(run_dir: Path | None, *, resume: bool, allow_drift: bool) 
     fingerprint = collect_fingerprint()
     problems = [finding for finding in assess(fingerprint) if finding.level == "problem"]
     since = last_good_start(run_dir) if resume and run_dir is not None else None
-    drift = [d for d in diff_fingerprints(since.fingerprint, fingerprint) if d.breaking] if since else []
+    drift = _breaking_drift(since, fingerprint) if since else []
     check = EnvironmentCheck(fingerprint, problems, drift, since)
     if check.accepted and not allow_drift:
         raise UserError(_refusal(check, run_dir))
     return check
+
+
+def _breaking_drift(since: StartRecord, fingerprint: dict[str, Any]) -> list[Difference]:
+    return [d for d in for_target(since, diff_fingerprints(since.fingerprint, fingerprint)) if d.breaking]
+
+
+def for_target(start: StartRecord, differences: list[Difference]) -> list[Difference]:
+    """`differences` as they matter to the run of `start`: the hybrid-target kernels' (fla,
+    causal_conv1d) are cosmetic for a target without the linear-attention layers they serve (a Qwen3
+    drafter recorded where flash-linear-attention was installed runs the same code without it)."""
+    kernels = [d for d in differences if d.field.startswith("fast_kernels.") and d.breaking]
+    if not kernels or _target_is_hybrid(start):  # the target is only looked up when it matters
+        return differences
+    why = "; this run's target has no linear-attention layer, so none of its code runs them"
+    return [replace(d, breaking=False, why=d.why + why) if d in kernels else d for d in differences]
+
+
+def _target_is_hybrid(start: StartRecord) -> bool:
+    """Whether the recorded start's target is a hybrid one; a start recorded without its config, or
+    a target that no longer loads, counts as hybrid (the kernels' differences then still refuse)."""
+    if start.config is None:
+        return True
+    from app.config import load_config
+    from app.model.target import is_hybrid, target_text_config
+
+    try:
+        return is_hybrid(target_text_config(load_config(start.config).target))
+    except (UserError, OSError, ValueError):
+        return True
 
 
 def fast_kernel_gaps(fingerprint: dict[str, Any]) -> list[str]:

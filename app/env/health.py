@@ -12,12 +12,19 @@ from typing import Any, Literal
 
 from app.env.compiler_flags import degrading_flags
 from app.env.fingerprint import FAST_KERNELS
+from app.env.origins import in_site, removal_fix
 from app.env.packages import is_core_stack
 from app.env.project import LOCK_FILE
 
 Level = Literal["problem", "warning", "info"]
 SYNC = "./uvw sync (in the image: rebuild it from uv.lock)"
 """The fix for a venv that is not uv.lock: uv sync installs exactly the lock and removes the rest."""
+REINSTALL = (
+    "./uvw cache clean {name}, then ./uvw sync --reinstall-package {name} (uv hardlinks its cache into "
+    "the venv, so the edit is in the cache too and a reinstall alone brings it back)"
+)
+"""The fix for an edited installed file (`./uvw sync --locked` sees the version installed and does nothing)."""
+EDITED_FILES_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,8 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
         *_torch_findings(fingerprint),
         *_lock_edit_findings(fingerprint),
         *_package_findings(fingerprint),
+        *shadow_findings(fingerprint),
+        *edited_file_findings(fingerprint),
         *_compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
         *_bytecode_findings(fingerprint),
@@ -112,29 +121,88 @@ def _package_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     # The packages that decide kernels get a line each; a long tail of off-lock utilities gets one line.
     core = [entry for entry in packages["mismatched"] if is_core_stack(entry["name"])]
     rest = [entry for entry in packages["mismatched"] if not is_core_stack(entry["name"])]
+    imports = fingerprint.get("imports") or {}
     for entry in core:
         locked = " or ".join(entry["locked"])
-        found.append(
-            Finding("problem", f"{entry['name']} {entry['installed']} installed, uv.lock pins {locked}", SYNC)
-        )
+        message = f"{entry['name']} {entry['installed']} installed, uv.lock pins {locked}"
+        found.append(Finding("problem", message, _version_fix([entry], imports)))
     if rest:
         found.append(
             Finding(
                 "problem",
                 f"{len(rest)} more packages at other versions than uv.lock: {_listed(rest, 'installed')}",
-                SYNC,
+                _version_fix(rest, imports),
             )
         )
-    for entry in packages["duplicates"]:
-        versions = ", ".join(entry["versions"])
-        found.append(
-            Finding(
-                "problem",
-                f"{entry['name']} installed {len(entry['versions'])} times: {versions}",
-                f"remove the copies outside the venv ({', '.join(entry['locations'][1:])}), then {SYNC}",
-            )
-        )
+    found += [_duplicate_finding(entry, imports) for entry in packages["duplicates"]]
     return found
+
+
+def _version_fix(entries: list[dict[str, Any]], imports: dict[str, Any]) -> str:
+    """./uvw sync for the venv's own copies; a copy outside the venv (PYTHONPATH) no sync touches."""
+    site = imports.get("site_packages") or []
+    outside = sorted(
+        {e["location"] for e in entries if site and e.get("location") and not in_site(e["location"], site)}
+    )
+    if not outside:
+        return SYNC
+    names = ", ".join(sorted({e["name"] for e in entries if e.get("location") in outside}))
+    return removal_fix(f"the copies of {names} in {', '.join(outside)}", outside, imports.get("pythonpath"))
+
+
+def _duplicate_finding(entry: dict[str, Any], imports: dict[str, Any]) -> Finding:
+    """Two copies of one package: the fix names those outside the venv's site-packages (a PYTHONPATH
+    copy comes first on sys.path, so the venv's is not the one to remove)."""
+    site = imports.get("site_packages") or []
+    outside = [location for location in entry["locations"] if site and not in_site(location, site)]
+    copies = f"{entry['name']} installed {len(entry['versions'])} times: {', '.join(entry['versions'])}"
+    if outside:
+        message = f"{copies} (in {', '.join(entry['locations'])})"
+        what = f"the {entry['name']} copies in {', '.join(outside)}"
+        return Finding("problem", message, removal_fix(what, outside, imports.get("pythonpath")))
+    return Finding("problem", copies, f"./uvw sync --reinstall-package {entry['name']}")
+
+
+def shadow_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """A key package that imports from outside the venv: what runs is not what uv.lock installed."""
+    imports = fingerprint.get("imports") or {}
+    site = ", ".join(imports.get("site_packages") or [])
+    return [
+        Finding(
+            "problem",
+            f"{module} imports from {imports['origins'][module]}, not the venv's site-packages ({site}): "
+            "that copy shadows the locked one",
+            removal_fix(imports["origins"][module], [imports["origins"][module]], imports.get("pythonpath")),
+        )
+        for module in imports.get("shadowed") or []
+    ]
+
+
+def edited_file_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """A package copy whose files differ from its wheel's RECORD: edited after install."""
+    imports = fingerprint.get("imports") or {}
+    copies: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for entry in (fingerprint.get("installed_files") or {}).get("edited") or []:
+        copies.setdefault((entry["package"], entry["location"]), []).append(entry)
+    found = []
+    for (name, location), entries in copies.items():
+        files = ", ".join(f"{e['file']} ({e['why']})" for e in entries[:EDITED_FILES_SHOWN])
+        more = f" and {len(entries) - EDITED_FILES_SHOWN} more" if len(entries) > EDITED_FILES_SHOWN else ""
+        message = (
+            f"{name} {entries[0]['version']} in {location}: {_files(len(entries))} from its wheel's RECORD "
+            f"(edited after install): {files}{more}"
+        )
+        site = imports.get("site_packages") or []
+        if site and not in_site(location, site):
+            fix = removal_fix(f"that {name} copy", [location], imports.get("pythonpath"))
+        else:
+            fix = REINSTALL.format(name=name)
+        found.append(Finding("problem", message, fix))
+    return found
+
+
+def _files(count: int) -> str:
+    return "1 file differs" if count == 1 else f"{count} files differ"
 
 
 def _compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:

@@ -2,7 +2,9 @@
 
 Goal, progress, health, what changed since the last good run (environment fingerprint and config diff),
 the last checkpoint, and what to do next. "The last good run" is `--against RUN_DIR` when given, else
-the newest sibling run directory (same parent) whose status says completed and healthy.
+the newest sibling run directory (same parent) whose status says completed and healthy and whose
+recorded stack was right (see `stack_was_right`). A resumed run is also compared with its own last good
+start, so a change a resume was allowed to run with shows under what changed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.env import Difference, diff_fingerprints, latest_fingerprint, recorded_fingerprint
+from app.env import (
+    Difference,
+    assess,
+    diff_fingerprints,
+    latest_fingerprint,
+    read_starts,
+    recorded_fingerprint,
+)
+from app.env.guard import for_target
 from app.errors import UserError
 from app.telemetry.logline import format_duration
 from app.telemetry.status import read_status, seconds_since
@@ -36,6 +46,8 @@ class Comparison:
     status: dict[str, Any] | None = None
     problem: str | None = None
     """Why the comparison is incomplete (a missing fingerprint or config), if it is."""
+    own_run: bool = False
+    """Against the run's own last good start rather than another run."""
 
 
 def is_good(status: dict[str, Any]) -> bool:
@@ -53,9 +65,51 @@ def find_last_good_run(run_dir: Path) -> Path | None:
             status = read_status(sibling)
         except UserError:
             continue
-        if is_good(status):
+        if is_good(status) and stack_was_right(sibling):
             good.append((status.get("finished_at") or "", sibling))
     return max(good)[1] if good else None
+
+
+def stack_was_right(run_dir: Path) -> bool:
+    """Whether a run trained in one right stack throughout. A status that says healthy is not enough:
+    the guard of its day may have missed a drift (a check added since, a resume into another stack that
+    no rule caught then), and taking such a run as the reference calls a good run degraded. So every
+    start is good, none differs from the first in a breaking way, and today's checks find no problem."""
+    try:
+        starts = read_starts(run_dir)
+    except UserError:
+        return False
+    if not starts or not all(start.good for start in starts):
+        return False
+    first = starts[0].fingerprint
+    if any(d.breaking for start in starts[1:] for d in diff_fingerprints(first, start.fingerprint)):
+        return False
+    return not any(finding.level == "problem" for finding in assess(starts[-1].fingerprint))
+
+
+def own_comparison(run_dir: Path) -> Comparison | None:
+    """The run's newest start against its last good start before it (None for a run of one start):
+    a torch or GPU change a resume was allowed to run with shows under what changed, not only as the
+    health events it raised."""
+    try:
+        starts = read_starts(run_dir)
+    except UserError:
+        return None
+    earlier = [start for start in starts[:-1] if start.good]
+    if not earlier:
+        return None
+    reference, newest = earlier[-1], starts[-1]
+    comparison = Comparison(
+        against=run_dir,
+        chosen_by=f"{reference.describe()}, to the newest: {newest.describe()}",
+        environment=for_target(newest, diff_fingerprints(reference.fingerprint, newest.fingerprint)),
+        own_run=True,
+    )
+    if reference.config is None or newest.config is None:
+        comparison.problem = "a start of the record holds no config"
+    else:
+        comparison.config = _config_differences(_flatten(reference.config), _flatten(newest.config))
+    return comparison
 
 
 def compare_runs(run_dir: Path, against: Path, chosen_by: str) -> Comparison:
@@ -76,13 +130,17 @@ def compare_runs(run_dir: Path, against: Path, chosen_by: str) -> Comparison:
     except UserError as error:
         problems.append(str(error))
     else:
-        comparison.config = [
-            (key, before.get(key), after.get(key))
-            for key in sorted(before.keys() | after.keys())
-            if before.get(key) != after.get(key) and key not in CONFIG_KEYS_THAT_ALWAYS_DIFFER
-        ]
+        comparison.config = _config_differences(before, after)
     comparison.problem = "; ".join(problems) or None
     return comparison
+
+
+def _config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    return [
+        (key, before.get(key), after.get(key))
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key) and key not in CONFIG_KEYS_THAT_ALWAYS_DIFFER
+    ]
 
 
 def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool]:
@@ -113,8 +171,10 @@ def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool
         lines.append(
             f"earlier attempt: {attempt.get('exit_reason')} at step {attempt.get('step')} ({attempt.get('finished_at') or '?'})"
         )
-    drifted = comparison is not None and any(d.breaking for d in comparison.environment)
-    lines += ["", *_health_lines(status, drifted), "", *_change_lines(comparison), ""]
+    own = own_comparison(run_dir)
+    drifted = [c for c in (own, comparison) if c is not None and any(d.breaking for d in c.environment)]
+    lines += ["", *_health_lines(status, drifted), "", *_change_lines(comparison)]
+    lines += [*(_change_lines(own) if own is not None else []), ""]
     lines += _checkpoint_lines(status)
     lines += ["", "next:", *(f"  - {step}" for step in next_steps(run_dir, status, comparison, stale_s))]
     healthy = status.get("health", {}).get("state") == "healthy" and stale_s is None and not drifted
@@ -216,17 +276,17 @@ def _code_lines(fingerprint: dict[str, Any]) -> list[str]:
     ]
 
 
-def _health_lines(status: dict[str, Any], drifted: bool) -> list[str]:
-    """`drifted`: the environment differs in a breaking way from the last good run's: whatever the run
-    itself saw, its numbers and speed are not comparable with that run's."""
+def _health_lines(status: dict[str, Any], drifted: list[Comparison]) -> list[str]:
+    """`drifted`: the comparisons (the last good run, the run's own last good start) whose environment
+    differs in a breaking way: whatever the run itself saw, its numbers and speed are not comparable."""
     health = status.get("health", {})
     events, count = health.get("events", []), health.get("event_count", 0)
     state = "degraded" if drifted and health.get("state") == "healthy" else health.get("state", "?")
     lines = [f"health: {str(state).upper()} ({count} event{'s' * (count != 1)})"]
-    if drifted:
-        lines.append(
-            "  active: the environment differs from the last good run's (breaking; see what changed)"
-        )
+    lines += [
+        f"  active: the environment differs from {_reference(c, possessive=True)} (breaking; see what changed)"
+        for c in drifted
+    ]
     lines += [f"  active: {condition}" for condition in health.get("active", [])]
     if count > len(events[-EVENTS_SHOWN:]):
         lines.append(f"  (the last {len(events[-EVENTS_SHOWN:])} of {count})")
@@ -240,7 +300,7 @@ def _change_lines(comparison: Comparison | None) -> list[str]:
             "what changed: no completed, healthy run next to this one to compare with; "
             "name one with --against RUN_DIR"
         ]
-    lines = [f"what changed since the last good run {comparison.against} ({comparison.chosen_by}):"]
+    lines = [f"what changed since {_reference(comparison)} ({comparison.chosen_by}):"]
     if comparison.problem:
         lines.append(f"  (incomplete: {comparison.problem})")
     breaking = [d for d in comparison.environment if d.breaking]
@@ -354,6 +414,12 @@ def next_steps(
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
+
+
+def _reference(comparison: Comparison, possessive: bool = False) -> str:
+    if comparison.own_run:
+        return "this run's last good start"
+    return "the last good run's" if possessive else f"the last good run {comparison.against}"
 
 
 def _stale_seconds(status: dict[str, Any]) -> float | None:

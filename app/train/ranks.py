@@ -18,6 +18,7 @@ from app.env.guard import check_environment
 from app.pipeline.distributed import Runtime
 from app.pipeline.target_worker import TargetWorker
 from app.telemetry import GuardedReporter, HealthWatch, Reporter, build_telemetry
+from app.train.resume import precheck_resume
 from app.train.setup import load_run_data, load_tokenizer, require_fast_kernels
 from app.train.trainer import Trainer, TrainResult
 
@@ -38,6 +39,8 @@ def rank_telemetry(config: RunConfig, *, is_logger: bool = True) -> tuple[list[R
 def run_drafter_rank(config: RunConfig, runtime: Runtime | None, resume: bool, log: Log) -> TrainResult:
     """Train the drafter on this rank (`runtime` None: the whole run in this process)."""
     is_logger = runtime is None or runtime.layout.is_logger
+    if resume and is_logger:
+        precheck_resume(config)  # before the data and the target load, not minutes later
     reporters, watches = rank_telemetry(config, is_logger=is_logger)
     # the logging rank creates the run directory (the others never touch it)
     with removed_if_left_empty(config.train.output_dir) if is_logger else contextlib.nullcontext():

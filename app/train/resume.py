@@ -7,11 +7,20 @@ line naming the checkpoint and what changed; a schedule change can be taken on p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from app.checkpoint.store import Checkpoint, check_training_signal, checkpoint_root, complete_checkpoints
+from app.checkpoint.store import (
+    Checkpoint,
+    check_training_signal,
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+    verify_checkpoint,
+)
+from app.config import RunConfig
 from app.config.schema import TrainConfig
 from app.errors import UserError
 from app.train.schedule import schedule_settings
@@ -27,6 +36,38 @@ def refuse_if_all_damaged(run_dir: Path) -> None:
             f"({', '.join(path.name for path in damaged)}; the warnings above say why); restore one, "
             "or start a new run with another train.output_dir"
         )
+
+
+def precheck_resume(config: RunConfig) -> None:
+    """What a resume is refused for once the data and the target have loaded (minutes at production
+    size), refused before they load: every checkpoint damaged (a file missing or truncated; the
+    checksums are verified at load), or a changed training signal (it needs only the tokenizer and
+    the target's config)."""
+    from app.model.target import resolve_layer_ids, target_text_config
+    from app.train.setup import load_tokenizer, training_signal
+
+    run_dir = Path(config.train.output_dir)
+    root = checkpoint_root(run_dir)
+    found = complete_checkpoints(root)
+    problems = {path: verify_checkpoint(path, checksums=False) for path in found}
+    intact = [path for path in found if problems[path] is None]
+    if found and not intact:
+        reasons = "; ".join(f"{path.name}: {problem}" for path, problem in problems.items())
+        raise UserError(
+            f"{root}: cannot resume: every checkpoint fails verification ({reasons}); restore one, or "
+            "start a new run with another train.output_dir"
+        )
+    newest = latest_checkpoint(root)
+    newest = newest if newest in intact else (intact[-1] if intact else None)
+    try:
+        saved = json.loads((newest / "state.json").read_text())["signal"] if newest else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # unreadable: the load's full verification falls back past it and says why
+    if saved is None:
+        return
+    text_config = target_text_config(config.target)
+    layer_ids = resolve_layer_ids(config.drafter, text_config.num_hidden_layers)
+    check_training_signal(saved, training_signal(config, layer_ids, load_tokenizer(config)), newest)
 
 
 def check_resumable(

@@ -1,0 +1,171 @@
+"""What is installed, checked before anything imports it: a locked package at another version (one
+that transformers itself checks at import), a copy on PYTHONPATH shadowing the venv's, a file edited
+inside an installed package. The faults are planted for real in a temporary directory on the path,
+never in the venv."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.env import assess, collect_fingerprint, diff_fingerprints
+from app.env.health import edited_file_findings
+from app.env.integrity import edited_files
+from app.env.origins import site_packages
+from app.env.preflight import require_locked_versions
+from app.errors import UserError
+from tests.helpers import ROOT, run_dflash
+from tests.test_doctor import write_distribution
+
+SYNC = "fix: ./uvw sync (in the image: rebuild it from uv.lock)"
+UNSET = "or unset PYTHONPATH (it comes before the venv on sys.path)"
+
+
+def test_a_locked_package_transformers_rejects_is_the_guards_line_not_its_traceback(tmp_path: Path) -> None:
+    """safetensors 0.7.0 shadowing the locked 0.8.0: transformers' import-time check raised a 50-line
+    ImportError advising `pip install transformers -U`; `dflash train` names the package and the fix
+    in one line before anything imports transformers, and makes no run directory. The copy is on
+    PYTHONPATH, so the fix removes it (no sync would); with it, a tokenizers package there that would
+    import instead of the venv's."""
+    site = tmp_path / "site"
+    write_distribution(site, "safetensors", "0.7.0")
+    (site / "tokenizers").mkdir()
+    (site / "tokenizers" / "__init__.py").write_text("raise ImportError('a stale copy')\n")
+    run_dir = tmp_path / "run"
+    done = run_dflash(
+        "train", "configs/tiny.toml", f"train.output_dir={run_dir}", env={"PYTHONPATH": str(site)}
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"dflash: error: safetensors 0.7.0 installed in {site}, uv.lock pins 0.8.0; fix: remove that "
+        f"safetensors copy, {UNSET}; tokenizers imports from {site / 'tokenizers'}, not the venv's "
+        f"site-packages ({', '.join(site_packages())}): that copy shadows the locked one; fix: remove "
+        f"{site / 'tokenizers'}, {UNSET}"
+    ], done.stderr
+    assert not run_dir.exists()
+
+
+def test_an_allowed_drift_runs_off_lock_versions_but_not_one_an_installed_package_rejects(
+    tmp_path: Path,
+) -> None:
+    """A copy inside the venv (`site` counts the directory as the venv's) is fixed by a sync."""
+    accepted, rejected = tmp_path / "accepted", tmp_path / "rejected"
+    write_distribution(accepted, "safetensors", "0.9.0")  # transformers asks for >= 0.8.0
+    write_distribution(rejected, "safetensors", "0.7.0")
+    venv = [str(accepted), str(rejected), *site_packages()]
+    require_locked_versions(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
+    with pytest.raises(UserError) as refused:
+        require_locked_versions(allow_drift=False, search_path=[str(accepted), *sys.path], site=venv)
+    assert str(refused.value) == f"safetensors 0.9.0 installed, uv.lock pins 0.8.0; {SYNC}"
+    with pytest.raises(UserError) as refused:
+        require_locked_versions(allow_drift=True, search_path=[str(rejected), *sys.path], site=venv)
+    assert str(refused.value) == (
+        "safetensors 0.7.0 installed, uv.lock pins 0.8.0 (transformers requires safetensors>=0.8.0: "
+        f"not even train.allow_environment_drift can run it); {SYNC}"
+    )
+    require_locked_versions(allow_drift=False)  # this venv is the lock
+
+
+def test_the_fingerprint_says_where_each_key_package_imports_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The venv's copies and PYTHONPATH are recorded; a copy elsewhere is a problem (and a breaking
+    difference) whose fix names that copy, and a second dist-info's fix names the one outside the
+    venv, not the venv's own, whichever comes first."""
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    fingerprint = collect_fingerprint()
+    imports = fingerprint["imports"]
+    assert imports["pythonpath"] == str(tmp_path) and imports["shadowed"] == []
+    assert imports["origins"]["torch"] == str(Path(torch.__file__).resolve().parent)
+    assert imports["origins"]["fla"] is None or imports["origins"]["fla"].startswith(
+        imports["site_packages"][0]
+    )
+    stale = str(tmp_path / "torch")
+    shadowed = {**imports, "origins": {**imports["origins"], "torch": stale}, "shadowed": ["torch"]}
+    venv = imports["site_packages"][0]
+    twice = {"name": "safetensors", "versions": ["0.8.0", "0.7.0"], "locations": [venv, str(tmp_path)]}
+    drifted = {
+        **fingerprint,
+        "imports": shadowed,
+        "packages": {**fingerprint["packages"], "duplicates": [twice]},
+    }
+    problems = [(f.message, f.fix) for f in assess(drifted) if f.level == "problem"]
+    assert problems == [
+        (f"safetensors installed 2 times: 0.8.0, 0.7.0 (in {venv}, {tmp_path})",
+         f"remove the safetensors copies in {tmp_path}, {UNSET}"),
+        (f"torch imports from {stale}, not the venv's site-packages ({', '.join(imports['site_packages'])}): "
+         "that copy shadows the locked one", f"remove {stale}, {UNSET}"),
+    ]  # fmt: skip
+    changes = [
+        (d.field, d.breaking)
+        for d in diff_fingerprints(fingerprint, drifted)
+        if d.field.startswith("imports")
+    ]
+    assert changes == [("imports.shadowed", True)]
+
+
+def test_the_documented_doctor_shows_the_environment_as_it_was(tmp_path: Path) -> None:
+    """`just doctor` and the docs run the doctor without uv's sync (which repaired an off-lock version
+    first and then reported OK): the recipe's own command line, run with safetensors 0.7.0 on the
+    path, reports it and exits 1."""
+    recipe = re.search(r"^doctor \*args:\n((?:    .*\n)+)", (ROOT / "Justfile").read_text(), re.MULTILINE)
+    assert recipe is not None
+    assert recipe.group(1).strip() == "./uvw run --no-sync dflash doctor {{args}}"
+    for doc in ("README.md", "docs/guide.md", "docs/containers.md"):
+        assert "uvw run dflash doctor" not in (ROOT / doc).read_text(), doc
+    site = tmp_path / "site"
+    write_distribution(site, "safetensors", "0.7.0")
+    command = recipe.group(1).strip().replace("{{args}}", "").split()
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(site), "COLUMNS": "400"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "problem: safetensors 0.7.0 installed, uv.lock pins 0.8.0\n" in done.stdout
+    assert "verdict: NOT the locked training stack" in done.stdout
+
+
+def test_a_file_edited_inside_an_installed_package_is_named_with_its_fix(tmp_path: Path) -> None:
+    """A copy of the venv's safetensors (never the venv's own files) with one file patched in place
+    (same size), one grown and one deleted: each is named against the wheel's RECORD, the doctor's
+    fix reinstalls it past uv's hardlinked cache (or removes a copy outside the venv), it is a breaking
+    difference, and dflash train's early check refuses it."""
+    installed = metadata.distribution("safetensors")
+    site = tmp_path / "site"
+    for part in ("safetensors", f"safetensors-{installed.version}.dist-info"):
+        shutil.copytree(installed.locate_file(part), site / part)
+    patched = site / "safetensors" / "torch.py"
+    patched.write_text(patched.read_text().replace("import torch", "import tarch", 1))
+    with (site / "safetensors" / "numpy.py").open("a") as handle:
+        handle.write("# patched\n")
+    (site / "safetensors" / "flax.py").unlink()
+
+    edited = edited_files([str(site)], packages=["safetensors"])
+    assert [(e["file"], e["why"]) for e in edited] == [
+        ("safetensors/flax.py", "missing"), ("safetensors/numpy.py", "size"), ("safetensors/torch.py", "content"),
+    ]  # fmt: skip
+    assert edited_files(packages=["safetensors"]) == []  # the venv's own copy is untouched
+    in_venv = {"imports": {"site_packages": [str(site)]}, "installed_files": {"edited": edited}}
+    (finding,) = edited_file_findings(in_venv)
+    assert finding.message == (
+        f"safetensors {installed.version} in {site}: 3 files differ from its wheel's RECORD (edited after "
+        "install): safetensors/flax.py (missing), safetensors/numpy.py (size), safetensors/torch.py (content)"
+    )
+    assert finding.fix.startswith(
+        "./uvw cache clean safetensors, then ./uvw sync --reinstall-package safetensors (uv hardlinks"
+    )
+    changes = diff_fingerprints({}, in_venv)
+    assert [(d.field, d.breaking) for d in changes] == [("installed_files.edited", True)]
+    # a recording from before the check is no difference from a clean start
+    assert diff_fingerprints({}, {"installed_files": {"edited": []}, "imports": {"shadowed": []}}) == []
+    with pytest.raises(UserError) as refused:
+        require_locked_versions(allow_drift=False, search_path=[str(site), *sys.path])
+    assert str(refused.value).endswith("safetensors/torch.py (content); fix: remove that safetensors copy")
