@@ -62,6 +62,14 @@ def test_an_allowed_drift_runs_off_lock_versions_but_not_one_an_installed_packag
     write_distribution(rejected, "safetensors", "0.7.0")
     venv = [str(accepted), str(rejected), *site_packages()]
     require_locked_versions(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
+    # a package outside the lock (an inference server's pins, say) is never imported by a run: its
+    # requirements decide nothing
+    server = accepted / "some_server-1.0.dist-info"
+    server.mkdir()
+    (server / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: some-server\nVersion: 1.0\nRequires-Dist: safetensors<0.9\n"
+    )
+    require_locked_versions(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
     with pytest.raises(UserError) as refused:
         require_locked_versions(allow_drift=False, search_path=[str(accepted), *sys.path], site=venv)
     assert str(refused.value) == f"safetensors 0.9.0 installed, uv.lock pins 0.8.0; {SYNC}"

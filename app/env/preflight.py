@@ -53,7 +53,7 @@ def require_locked_versions(
     installed = installed_distributions(search_path)
     mismatched = package_drift(versions_in(lock), installed)["mismatched"]
     if allow_drift:
-        rejected = _rejections(mismatched, search_path)
+        rejected = _rejections(mismatched, set(versions_in(lock)), search_path)
         mismatched = [
             {**entry, "rejected_by": rejected[entry["name"]]}
             for entry in mismatched
@@ -83,12 +83,18 @@ def _described(entry: dict[str, Any], site: Sequence[str]) -> str:
     return f"{line}; fix: {SYNC}"
 
 
-def _rejections(mismatched: list[dict[str, Any]], search_path: Sequence[str] | None) -> dict[str, str]:
-    """Name -> `DIST requires REQUIREMENT` for each off-lock version an installed distribution's
-    requirements exclude (the check transformers makes at import)."""
+def _rejections(
+    mismatched: list[dict[str, Any]], locked: set[str], search_path: Sequence[str] | None
+) -> dict[str, str]:
+    """Name -> `DIST requires REQUIREMENT` for each off-lock version a locked distribution's
+    requirements exclude (the check transformers makes at import). Only the locked stack decides: it is
+    what a run imports, while a machine's other packages (an inference server's pins, say) are never
+    imported and must not refuse a start that allowed drift."""
     off_lock = {entry["name"]: entry["installed"] for entry in mismatched}
     rejected: dict[str, str] = {}
     for dist in metadata.distributions(path=list(sys.path if search_path is None else search_path)):
+        if normalize_name(dist.metadata["Name"] or "") not in locked:
+            continue
         for text in dist.requires or []:
             try:
                 requirement = Requirement(text)
