@@ -298,8 +298,9 @@ class TrainConfig(Section):
 
     reschedule: bool = False
     """On `--resume`, follow this config's learning-rate schedule (total steps from epochs, max_steps
-    and the ranks; lr, warm-up, decay) from the resumed step on, even where it differs from the
-    checkpoint's. Without this a resume that would change the schedule is refused."""
+    and the ranks; lr, warm-up, decay) and its batches per step (drafter ranks x grad_accum: the global
+    batch) from the resumed step on, even where they differ from the checkpoint's. Without this a resume
+    that would change either is refused."""
 
     allow_environment_drift: bool = False
     """Train even when the environment is not the locked stack (`dflash doctor` problems) or, on a

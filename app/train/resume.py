@@ -1,8 +1,9 @@
 """What a resume must find unchanged before it loads a checkpoint's state into the trainer.
 
 The training signal (what the drafter learns), the batch plan (the data order the saved cursor points
-into) and the learning-rate schedule (every lr of the remaining steps). Each check refuses with one
-line naming the checkpoint and what changed; a schedule change can be taken on purpose.
+into), the global batch (batches per optimizer step) and the learning-rate schedule (every lr of the
+remaining steps). Each check refuses with one line naming the checkpoint and what changed; a change of
+the global batch or the schedule can be taken on purpose (`train.reschedule`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def check_resumable(
     signal: dict[str, Any],
     plan: str,
     total_steps: int,
+    batches_per_step: int,
     train: TrainConfig,
     log: Callable[[str], None],
 ) -> None:
@@ -86,7 +88,33 @@ def check_resumable(
             f"{path}: cannot resume: the training data or batching settings changed "
             f"(batch plan {state['plan']} != {plan})"
         )
+    _check_global_batch(state.get("batches_per_step", 1), batches_per_step, path, train, log)
     _check_schedule(state, path, schedule_settings(total_steps, train), train.reschedule, log)
+
+
+def _check_global_batch(
+    saved: int, now: int, path: Path, train: TrainConfig, log: Callable[[str], None]
+) -> None:
+    """A resume keeps the batches per optimizer step (drafter ranks x train.grad_accum: the global
+    batch), or refuses saying how to keep it; `train.reschedule` takes the change on purpose."""
+    if saved == now:
+        return
+    change = (
+        f"the checkpoint trained {saved} batches per step (drafter ranks x train.grad_accum), this run {now}"
+    )
+    if train.reschedule:
+        log(f"note: train.reschedule: {change}; the data continues at the saved position")
+        return
+    drafters = now // train.grad_accum
+    keep = (
+        f"set train.grad_accum={saved // drafters} to keep it"
+        if saved % drafters == 0
+        else f"use a number of drafter ranks that divides {saved} and the grad_accum that keeps it"
+    )
+    raise UserError(
+        f"{path}: cannot resume: {change}: the global batch would change; {keep}, or set "
+        "train.reschedule=true to train with the new one from this step on"
+    )
 
 
 def _check_schedule(

@@ -539,6 +539,7 @@ class Trainer:
             signal=self.signal,
             plan=self.planner.fingerprint,
             total_steps=self.total_steps,
+            batches_per_step=self.rounds.size,
             train=self.config.train,
             log=self.log,
         )
@@ -552,13 +553,6 @@ class Trainer:
         self.log(
             f"resumed from {checkpoint.path} at step {self.step} (epoch {self.cursor.epoch}, batch {self.cursor.batch})"
         )
-        saved_size = checkpoint.state.get("batches_per_step", 1)
-        if saved_size != self.rounds.size:
-            self.log(
-                f"note: the checkpoint trained {saved_size} batches per step, this run {self.rounds.size} "
-                "(drafter ranks x train.grad_accum): the data continues at the saved position, but "
-                "steps per epoch change"
-            )
         return True
 
     def _agree_on_start(self, runtime: Runtime, resumed: bool) -> bool:
