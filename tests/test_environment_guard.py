@@ -15,6 +15,7 @@ import pytest
 from app.config import load_config
 from app.env import assess, collect_fingerprint, diff_fingerprints, read_starts, recorded_fingerprint
 from app.env.compiler_flags import degrading_flags, recorded_compiler_env
+from app.env.guard import EnvironmentCheck
 from app.env.lock_closure import required_packages
 from app.env.project import code_hashes
 from app.env.record import ENVIRONMENT_RECORD, append_start
@@ -287,3 +288,7 @@ def test_edits_against_the_commit_are_recorded_and_an_edited_lock_is_a_problem(t
     StatusFile(load_config(ROOT / "configs" / "tiny.toml")).on_start(RunStart(run_dir, {}, found, {}))
     text, _ = render_status(run_dir)
     assert f"code: 2 files differ from commit {revision}: app/loop.py, uv.lock" in text.splitlines()
+    # the start's own log says it too (the lock is a problem, named apart)
+    assert EnvironmentCheck(found).notes == [
+        f"this run's code differs from commit {revision} in 1 file(s): app/loop.py"
+    ]

@@ -18,6 +18,7 @@ from typing import Any
 from app.env.diff import Difference, diff_fingerprints
 from app.env.fingerprint import FAST_KERNELS, collect_fingerprint
 from app.env.health import Finding, assess
+from app.env.project import LOCK_FILE
 from app.env.record import StartRecord, last_good_start
 from app.errors import UserError
 
@@ -48,6 +49,18 @@ class EnvironmentCheck:
                 for d in self.drift
             ]
         return [*lines, *self.other]
+
+    @property
+    def notes(self) -> list[str]:
+        """What a start says without refusing: tracked files edited against the checkout's commit
+        (development is legitimate, but the run must not be silent about the code it ran)."""
+        project = self.fingerprint.get("project") or {}
+        edited = [path for path in project.get("changed") or [] if path != LOCK_FILE]  # the lock: a problem
+        if not edited:
+            return []
+        shown = ", ".join(edited[:8]) + (f" and {len(edited) - 8} more" if len(edited) > 8 else "")
+        commit = (project.get("revision") or "?")[:12]
+        return [f"this run's code differs from commit {commit} in {len(edited)} file(s): {shown}"]
 
     def also_accepting(self, lines: list[str]) -> EnvironmentCheck:
         return replace(self, other=[*self.other, *lines])

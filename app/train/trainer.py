@@ -577,6 +577,8 @@ class Trainer:
         )  # fmt: skip
         for line in start.accepted:
             self.log(f"warning: DEGRADED start, accepted by {ALLOW_SETTING}: {line}")
+        for line in check.notes:
+            self.log(f"note: {line}")
         environment = {"start": start.start, "accepted": start.accepted}
         self.telemetry.on_start(
             RunStart(self.run_dir, config, check.fingerprint, self.compile_report.to_dict(), environment)
