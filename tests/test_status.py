@@ -21,7 +21,8 @@ from app.telemetry import build_telemetry
 from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
-from app.train.trainer import NonFiniteLoss, Trainer
+from app.train.metrics import NonFiniteLoss
+from app.train.trainer import Trainer
 from tests.helpers import dflash, small_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -19,9 +20,10 @@ from app.config import load_config
 from app.errors import UserError
 from app.model.flops import forward_flops, step_flops
 from app.model.objective import drafter_loss
-from app.pipeline.counters import GatheredWindow
+from app.pipeline.counters import RankCounters
+from app.train.metrics import NonFiniteLoss, StepOutput, StepSums, WindowSums, gather_window
 from app.train.schedule import learning_rate
-from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
+from app.train.trainer import Trainer, TrainingStopped
 from tests.helpers import (
     SMALL,
     StopAtStep,
@@ -444,9 +446,26 @@ def test_a_resume_keeps_the_schedule_or_refuses_a_change(
 
 
 def test_a_window_s_tree_streak_is_per_sampled_block_over_the_steps_that_measured_it() -> None:
-    # STEP_FIELDS per step: loss, acc, streak, real batches, tree-streak slots, tree blocks
-    totals = torch.tensor([[4.0, 1.0, 2.0, 2.0, 0.0, 0.0], [6.0, 1.0, 3.0, 2.0, 30.0, 16.0]])
-    window = GatheredWindow(totals, [])
-    assert window.mean("streak") == pytest.approx(5 / 4)  # per real batch of the window
-    assert window.tree_streak() == pytest.approx(30 / 16)  # per sampled block, not per batch
-    assert GatheredWindow(totals[:1], []).tree_streak() is None  # no step of it measured one
+    def window(*steps: dict[str, float]) -> WindowSums:
+        return WindowSums(**{name: torch.tensor([step[name] for step in steps]) for name in steps[0]})
+
+    plain = {"loss": 4.0, "acc": 1.0, "streak": 2.0, "batches": 2.0, "tree_accepted": 0.0, "tree_blocks": 0.0}
+    measured = {**plain, "loss": 6.0, "streak": 3.0, "tree_accepted": 30.0, "tree_blocks": 16.0}
+    both = window(plain, measured)
+    assert both.mean(both.streak) == pytest.approx(5 / 4)  # per real batch of the window
+    assert both.tree_streak() == pytest.approx(30 / 16)  # per sampled block, not per batch
+    assert window(plain).tree_streak() is None  # no step of it measured one
+
+
+def test_a_step_s_sums_reach_the_window_by_name() -> None:
+    """What crosses the drafter group is packed by position; each field comes back under its name."""
+    sums = StepSums.zeros(torch.device("cpu"))
+    values = {field.name: float(index + 1) for index, field in enumerate(dataclasses.fields(sums))}
+    for name, value in values.items():
+        getattr(sums, name).fill_(value)
+    step = StepOutput(sums, 0.0, torch.tensor(1.0), round=None, flops=torch.tensor(0))  # type: ignore[arg-type]
+    window, counters = gather_window(None, [step, step], RankCounters(1, 2, 3, 4, 5, []))
+    assert {name: getattr(window, name).tolist() for name in values} == {
+        n: [v] * 2 for n, v in values.items()
+    }
+    assert window.step_losses == [1 / 4] * 2 and counters == [RankCounters(1, 2, 3, 4, 5, [])]
