@@ -153,13 +153,34 @@ def test_the_log_line_mfu_is_the_useful_flops_of_the_batches_trained(
         rows = [item.features.row for batches in window for item in batches.micro if item.planned is not None]
         assert len(rows) == 4
         flops = sum(float(step_flops(forward_flops(trainer.drafter.arch, row))) for row in rows)
-        assert record["tflops_per_s"] * record["window_s"] * 1e12 == pytest.approx(flops, rel=1e-9)
+        training_s = record["window_s"] - record["paused_s"]
+        assert record["tflops_per_s"] * training_s * 1e12 == pytest.approx(flops, rel=1e-9)
         assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.5, rel=1e-9)
     log_lines = [line for line in lines if line.startswith("[")]
     assert f"mfu={100 * records[-1]['mfu']:.1f}%" in log_lines[-1] and " step=4/4 " in log_lines[-1]
     assert any(
         line.endswith("mfu = drafter FLOP/s over 0.5 TFLOP/s (telemetry.peak_tflops)") for line in lines
     )
+
+
+def test_an_eval_in_a_log_window_is_a_pause_not_a_throughput_collapse(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """The eval after step 2 falls in the window of steps 3-4: its seconds are recorded as paused and
+    left out of the rates and the ETA, which are over the window's training time only."""
+    config = small_config(
+        tiny_conversations, tmp_path, "train.max_steps=6", "telemetry.log_every=2", "train.eval_every=2",
+        "train.eval_prompts=1", "train.save_every=100",
+    )  # fmt: skip
+    Trainer(config, log=quiet).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    windows = [record for record in records if "eval" not in record]
+    assert [w["step"] for w in windows] == [2, 4, 6] and windows[0]["paused_s"] == 0
+    for window in windows[1:]:
+        assert 0 < window["paused_s"] < window["window_s"]  # the eval at the previous line
+        training_s = window["window_s"] - window["paused_s"]
+        assert window["drafter_batches_per_s"] * training_s == pytest.approx(2, rel=1e-9)  # 2 steps of 1
+        assert window["eta_s"] == pytest.approx((6 - window["step"]) * training_s / 2, rel=1e-9)
 
 
 def test_empty_dataset_is_refused_before_any_model_loads(tiny_tokenizer_dir, tmp_path: Path) -> None:

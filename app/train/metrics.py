@@ -200,8 +200,8 @@ class TrainingMetrics:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Time spent not training (an eval, a checkpoint's host copy): the throughput guard judges a
-        log window over its training time only."""
+        """Time spent not training (an eval, a checkpoint's host copy): the line's rates, mfu and ETA
+        are over the window's training time only, so an eval reads as a pause, not a slowdown."""
         started = time.monotonic()
         try:
             yield
@@ -233,7 +233,8 @@ class TrainingMetrics:
         self.window = Window(now, step, drafted, sum(c.real_tokens for c in counters), targets.total)
         if not self.is_logger:
             return sums.step_losses
-        seconds = max(now - window.started, 1e-9)
+        seconds = now - window.started
+        training_s = max(seconds - self.paused_s, 1e-9)  # an eval or a save is no slower training
         flops = float(torch.stack([out.flops for out in pending]).sum())
         losses = sums.step_losses
         line = LogLine(
@@ -246,21 +247,21 @@ class TrainingMetrics:
             tree_streak=sums.tree_streak(),
             lr=lr,
             noise=pending[-1].noise if self.noise else None,
-            target_batches_per_s=(targets.total - window.target_batches) / seconds,
-            drafter_batches_per_s=(drafted - window.drafter_batches) / seconds,
-            tokens_per_s=(self.window.real_tokens - window.real_tokens) / seconds,
+            target_batches_per_s=(targets.total - window.target_batches) / training_s,
+            drafter_batches_per_s=(drafted - window.drafter_batches) / training_s,
+            tokens_per_s=(self.window.real_tokens - window.real_tokens) / training_s,
             q_pre=targets.q_pre,
             q_hs=[c.q_hs for c in counters],
             epoch_progress=self.epoch_progress(cursor),
-            eta_s=(self.total_steps - step) * seconds / max(1, step - window.step),
+            eta_s=(self.total_steps - step) * training_s / max(1, step - window.step),
             memory_gb=device_memory_gb(self.device),
-            mfu=utilization(flops, seconds, self.peak),
+            mfu=utilization(flops, training_s, self.peak),
             colocated=self.colocated,
+            paused_s=self.paused_s,
         )
         details = {
             "window_s": seconds,
-            "tflops_per_s": flops / seconds / 1e12,
-            "paused_s": self.paused_s,
+            "tflops_per_s": flops / training_s / 1e12,
             "step_losses": losses,
             "grad_norm": torch.stack([out.grad_norm.float() for out in pending]).mean().item(),
             "drafter_batch_counts": [c.drafter_batches for c in counters],
