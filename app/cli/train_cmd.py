@@ -49,7 +49,10 @@ def train(
     cache_root()
     if resume:
         require_run_to_resume(run_config.train.output_dir)
+    from app.cli.bars import library_bars_only_on_a_tty
     from app.pipeline.distributed import wants_distributed
+
+    library_bars_only_on_a_tty()
 
     if wants_distributed(run_config):
         _train_rank(run_config, resume)
