@@ -17,6 +17,7 @@ from rich.table import Table
 
 from app.cli.arguments import Overrides
 from app.config import RunConfig, load_config
+from app.config.toml_text import config_toml
 
 group = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
 
@@ -25,20 +26,17 @@ group = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
 def show(
     config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
     overrides: Overrides = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML-like text.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML.")] = False,
 ) -> None:
     """Print the fully resolved config: file + overrides + defaults, and the defaults derived from the
-    target (the drafter's head layout, FFN, target layers) and the block size (gamma)."""
+    target (the drafter's head layout, FFN, target layers) and the block size (gamma). The TOML is a
+    config `dflash train` accepts as it is; unset settings are comments."""
     loaded = load_config(config, overrides or [])
     data = _with_derived_defaults(loaded).model_dump(mode="json")
     if as_json:
         print(json.dumps(data, indent=2))
         return
-    for section, fields in data.items():
-        print(f"[{section}]")
-        for name, value in fields.items():
-            print(f"{name} = {json.dumps(value)}")
-        print()
+    print(config_toml(data), end="")
 
 
 @group.command("torchrun")
@@ -91,7 +89,7 @@ def _with_derived_defaults(config: RunConfig) -> RunConfig:
     try:
         return with_derived_defaults(config, DrafterArch.from_config(config))
     except UserError as error:
-        print(f"# defaults derived from the target left unset (null): {error}", file=sys.stderr)
+        print(f"# defaults derived from the target left unset: {error}", file=sys.stderr)
         return config
 
 
