@@ -43,10 +43,9 @@ class _Prompt:
 
 def run_local_datagen(config: RunConfig, console: Console | None = None) -> DatagenReport:
     """Regenerate `datagen.prompts` with `config.target` into `datagen.output_dir` (module docstring)."""
-    from app.evaluate.evaluator import stop_token_ids  # heavy imports: after the cheap checks below
     from app.model.decode import BatchDecoder, DecodeShape
+    from app.model.loading import load_tokenizer, pick_device, stop_token_ids  # after the cheap checks
     from app.model.target import load_target
-    from app.train.setup import load_tokenizer, pick_device
 
     console = console or Console(stderr=True)
     datagen = config.datagen

@@ -78,7 +78,7 @@ def _target_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
     """The run's target tokenizer, as training loaded it (`target.tokenizer`, `target.path` or the
     built-in target's directory). Without it the export cannot name the mask token, and a config
     without `dflash_config.mask_token` is not written: the error names what is missing."""
-    from app.train.setup import load_tokenizer
+    from app.model.loading import load_tokenizer
 
     try:
         return load_tokenizer(config)

@@ -15,10 +15,11 @@ from app.config import RunConfig
 from app.data.batching import BatchPlanner
 from app.data.tokenize import pad_token_id
 from app.env.guard import check_environment
+from app.model.loading import load_tokenizer
 from app.pipeline.distributed import Runtime
 from app.pipeline.target_worker import TargetWorker
 from app.telemetry import GuardedReporter, HealthWatch, Reporter, build_telemetry
-from app.train.setup import load_run_data, load_tokenizer, require_fast_kernels
+from app.train.setup import load_run_data, require_fast_kernels
 from app.train.trainer import Trainer, TrainResult
 
 Log = Callable[[str], None]

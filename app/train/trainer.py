@@ -39,6 +39,7 @@ from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
 from app.model.flops import forward_flops, step_flops
+from app.model.loading import load_tokenizer, pick_device
 from app.model.objective import TreeSample, feature_noise_std, noise_generator
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import RoundPlanner
@@ -56,7 +57,7 @@ from app.telemetry.session import Telemetry
 from app.train.metrics import StepOutput, StepSums, TrainingMetrics
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
-from app.train.setup import load_run_data, load_tokenizer, pick_device, require_fast_kernels, training_signal
+from app.train.setup import load_run_data, require_fast_kernels, training_signal
 from app.train.signals import StopRequest
 from app.train.step import BorrowedHeads, DrafterStep
 
