@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from app.compile.guard import throughput_watch
 from app.config import load_config
 from app.errors import UserError
 from app.telemetry import build_telemetry
+from app.telemetry.compile_watches import throughput_watch
 from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status

@@ -8,7 +8,7 @@ now, for status.json. Events appear in the log line, status.json and wandb.
 - throughput: steady-state speed below the baseline by more than `compile.slow_step_threshold`;
 - queues: `q_pre` / `q_hs` stuck empty or full for a window (a starved or blocked pipeline stage);
 - compile: recompiles and compile-cache misses after warm-up (counters from torch._dynamo or the caller);
-- library JIT: Triton kernels compiled or autotuned after warm-up (`app.compile.library_jit`);
+- library JIT: Triton kernels compiled or autotuned after warm-up (`app.telemetry.compile_watches`);
 - external: events posted by other components (the compile-cache loader, a data loader).
 A non-finite loss is not a watch: the trainer stops with `NonFiniteLoss`, which becomes the exit reason.
 """

@@ -50,6 +50,7 @@ from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_gr
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
+from app.telemetry.compile_watches import compile_watches
 from app.telemetry.hardware import reference_peak
 from app.telemetry.logline import legend
 from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
@@ -155,7 +156,7 @@ class Trainer:
         self.resumed = resumed
         # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
         self.compile_report = prepare_compiled_training(config, self.drafter_step, log, self.target)
-        self.telemetry.watch(self.compile_report.health_watches())
+        self.telemetry.watch(compile_watches(self.compile_report, config))
         if runtime is not None and runtime.layout.num_drafters > 1:
             # broadcasts rank 0's weights
             self.drafter_step.model = wrap_for_drafter_group(self.drafter, runtime)
