@@ -8,6 +8,9 @@ import typer
 
 from app.errors import UserError
 
+CONFIG_FORMS = "a .toml, .yaml or .json file, or a run directory"
+"""What every command's CONFIG argument accepts: what `load_config` reads."""
+
 Overrides = Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")]
 """`section.field=value` settings applied over the config file, as `load_config` reads them."""
 

@@ -9,17 +9,19 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides
 from app.cli.bars import library_bars_only_on_a_tty
 from app.config import load_config
 
 
 def datagen(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml); its datagen section is used.")],
+    config: Annotated[str, typer.Argument(help=f"Run config ({CONFIG_FORMS}); its datagen section is used.")],
     overrides: Overrides = None,
 ) -> None:
-    """Send every prompt to the OpenAI-compatible servers (or, with datagen.engine=local, to the run's
-    own target in this process) and write the target's answers as parquet shards.
+    """Regenerate the prompts' answers with the target, written as parquet shards.
+
+    Every prompt goes to the OpenAI-compatible servers, or with datagen.engine=local to the run's own
+    target in this process.
 
     Resumable: rerun the same command after an interruption; completed records are skipped and
     earlier failures are retried.

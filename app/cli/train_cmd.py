@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides
 
 STOPPED_EXIT_CODE = 143
 """128 + SIGTERM: stopped by a signal after checkpointing; `--resume` continues exactly."""
@@ -24,7 +24,7 @@ FOLLOWER_EXIT_DELAY_S = 2.0
 
 
 def train(
-    config: Annotated[str, typer.Argument(help="Run config (.toml or .yaml).")],
+    config: Annotated[str, typer.Argument(help=f"Run config: {CONFIG_FORMS}.")],
     overrides: Overrides = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the run directory's latest good checkpoint.")
