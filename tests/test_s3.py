@@ -25,7 +25,6 @@ from app.storage.s3 import MIB, digest_file, make_client, remote_mismatch, trans
 from app.telemetry import TelemetryWarning
 from app.telemetry.reporter import RunStart
 from app.telemetry.status import read_status
-from app.train.ranks import rank_telemetry
 from app.train.trainer import Trainer, TrainingStopped
 from tests.helpers import StopAtStep, small_config
 
@@ -121,11 +120,10 @@ def test_pull_and_resume_equals_an_uninterrupted_run(
     config = small_config(
         tiny_conversations, tmp_path / "first", "train.max_steps=4", "telemetry.log_every=2", *storage
     )
-    reporters, watches = rank_telemetry(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TelemetryWarning)
         with pytest.raises(TrainingStopped) as stop:
-            Trainer(config, reporters=[*reporters, StopAtStep(2)], watches=watches, log=quiet).run()
+            Trainer(config, reporters=[StopAtStep(2)], log=quiet).run()
     step = stop.value.step  # the checkpoint written on SIGTERM, after the steps in flight
     stopped = f"step_{step:08d}"
     logged = [json.loads(line) for line in (tmp_path / "first" / "metrics.jsonl").read_text().splitlines()]

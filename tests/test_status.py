@@ -56,8 +56,7 @@ def healthy_run(tiny_lm_dir, tiny_conversations, tmp_path_factory) -> Path:
         tiny_conversations, run_dir, "train.max_steps=4", "train.eval_every=2", "train.eval_prompts=1",
         "train.eval_max_new_tokens=8", "telemetry.status_every=2",
     )  # fmt: skip
-    reporters, watches = build_telemetry(config)
-    Trainer(config, reporters=reporters, watches=watches, log=quiet).run()
+    Trainer(config, log=quiet).run()
     return run_dir
 
 
@@ -185,9 +184,8 @@ def test_crashed_run_shows_the_non_finite_loss(
     """Noise of 1e38 on the features overflows the forward: the trainer stops with NonFiniteLoss."""
     run_dir = tmp_path / "crashed"
     config = small_config(tiny_conversations, run_dir, "train.max_steps=3", "train.feature_noise_std=1e38")
-    reporters, watches = build_telemetry(config)
     with pytest.raises(NonFiniteLoss):
-        Trainer(config, reporters=reporters, watches=watches, log=quiet).run()
+        Trainer(config, log=quiet).run()
     status = read_status(run_dir)
     assert status["state"] == "failed" and status["health"]["state"] == "failed"
     assert status["exit_reason"].startswith(
@@ -311,9 +309,8 @@ def test_a_compile_cache_problem_at_train_start_is_a_health_event(
     monkeypatch.setattr("app.train.trainer.prepare_compiled_training", damaged_cache)
     run_dir = tmp_path / "damaged"
     config = small_config(tiny_conversations, run_dir, "train.max_steps=2")
-    reporters, watches = build_telemetry(config)
     lines: list[str] = []
-    Trainer(config, reporters=reporters, watches=watches, log=lines.append).run()
+    Trainer(config, log=lines.append).run()
 
     assert any(line.startswith("[") and f"compile: {problem}" in line for line in lines), lines
     status = read_status(run_dir)

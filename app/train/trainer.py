@@ -53,9 +53,9 @@ from app.pipeline.transport import receive_heads
 from app.telemetry.compile_watches import compile_watches
 from app.telemetry.hardware import reference_peak
 from app.telemetry.logline import legend
-from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
-from app.telemetry.session import Telemetry
+from app.telemetry.reporter import HealthWatch, Reporter, RunStart
 from app.train.metrics import StepOutput, StepSums, TrainingMetrics
+from app.train.reporting import run_telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
 from app.train.setup import load_run_data, require_fast_kernels, training_signal
@@ -104,8 +104,8 @@ class Trainer:
         self.runtime = runtime
         self.is_logger = runtime is None or runtime.layout.is_logger
         self.log = log
-        self.telemetry = Telemetry(
-            [MetricsFile(), *(reporters or [])] if self.is_logger else [], watches or [], log
+        self.telemetry = run_telemetry(
+            config, log, is_logger=self.is_logger, reporters=reporters or [], watches=watches or []
         )
         self.run_dir = Path(config.train.output_dir)
         if self.is_logger:
