@@ -47,7 +47,7 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
     from app.model.loading import load_tokenizer, pick_device, stop_token_ids  # after the cheap checks
     from app.model.target import load_target
 
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)  # a log line is never cut at 80 columns
     datagen = config.datagen
     if datagen.top_p < 1:
         raise UserError("datagen.top_p: the local engine samples from the whole distribution; set it to 1")
