@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from typing import Annotated
 
 import typer
 
-from app.cli.arguments import CONFIG_FORMS, Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides, shell_command
 from app.cli.bars import library_bars_only_on_a_tty
 from app.config import load_config
 
@@ -40,7 +39,7 @@ def datagen(
         for line in report.summary():
             print(line, flush=True)
         if report.stopped_by:
-            command = shlex.join(["dflash", "datagen", config, *(overrides or [])])
+            command = shell_command(["dflash", "datagen", config, *(overrides or [])])
             print(f"datagen: to resume: {command}", flush=True)
     except OSError:
         # the terminal is gone (closed window: SIGHUP, then EIO): the records are committed and the
