@@ -4,6 +4,7 @@ fed to the real watches), a crashed run (a real non-finite loss), and the PNG pl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -73,6 +74,20 @@ def test_healthy_run_status_file(healthy_run: Path) -> None:
     assert status["fingerprint"]["torch"].startswith("2.") and status["goal"]["max_steps"] == 4
     assert status["compile"]["compiled"] is False and status["compile"]["device"] == "cpu"
     assert "compile_counters" in status and not list(healthy_run.glob(f".{STATUS_FILE}.*"))
+
+
+def test_a_finished_run_whose_drafter_is_exported_is_not_told_to_export_it(
+    healthy_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The demo exports into RUN_DIR/export itself: status then points at the export, not at
+    `dflash export`; an export older than the last checkpoint is stale and the hint returns."""
+    run_dir = shutil.copytree(healthy_run, tmp_path / "run")
+    exported = dflash(capsys, monkeypatch, "export", str(run_dir), "--out", str(run_dir / "export"))
+    assert exported.returncode == 0, exported.stderr
+    text = dflash(capsys, monkeypatch, "status", str(run_dir)).stdout
+    assert f"serve the drafter exported in {run_dir / 'export'}" in text and "dflash export" not in text
+    os.utime(run_dir / "export" / "model.safetensors", (0, 0))  # written before the last checkpoint
+    assert f"dflash export {run_dir}" in dflash(capsys, monkeypatch, "status", str(run_dir)).stdout
 
 
 def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) -> None:

@@ -52,6 +52,7 @@ def run_demo(
 ) -> DemoResult:
     from app.export.hf_dflash import export_drafter
     from app.telemetry.plots import write_plots
+    from app.telemetry.status_report import EXPORT_DIR
     from app.train.trainer import Trainer
 
     started = time.monotonic()
@@ -84,7 +85,7 @@ def run_demo(
     log("[5/5] tau after training, and export")
     after = trainer.evaluator(trainer.drafter)
     export_dir = export_drafter(
-        trainer.drafter, Path(config.train.output_dir) / "export", trainer.target.model.config
+        trainer.drafter, Path(config.train.output_dir) / EXPORT_DIR, trainer.target.model.config
     )
     run_dir = Path(config.train.output_dir)
     write_plots(run_dir)
