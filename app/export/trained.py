@@ -38,6 +38,8 @@ class TrainedExport:
     target_layer_ids: list[int]
     serving: list[str]
     """SGLang's and vLLM's command lines that serve the target with this drafter."""
+    config: RunConfig
+    """The run's config (its `storage` says where `--upload` puts the export)."""
 
     def describe(self) -> list[str]:
         return [
@@ -71,6 +73,7 @@ def export_trained(source: str | Path, out: str | Path, dtype: ExportDtype = "bf
         mask_token=json.loads((directory / CONFIG_FILE).read_text())["dflash_config"]["mask_token"],
         target_layer_ids=list(arch.target_layer_ids),
         serving=serving_commands(served, directory.resolve(), arch.block_size),
+        config=trained.config,
     )
 
 
