@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ from app.pipeline.assignment import RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
 from app.pipeline.distributed import Runtime
 from app.pipeline.remote import RemoteFeatureSource
-from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_group
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
@@ -88,7 +86,9 @@ class TrainResult:
 
 
 class Trainer:
-    """The drafter's training loop on one rank (alone: target and drafter colocated in this process)."""
+    """The drafter's training loop on one rank (alone: target and drafter colocated in this process).
+
+    It reports what its config says (`app.train.reporting`); `reporters` and `watches` join those."""
 
     def __init__(
         self,
@@ -158,10 +158,7 @@ class Trainer:
         self.compile_report = prepare_compiled_training(config, self.drafter_step, log, self.target)
         self.telemetry.watch(compile_watches(self.compile_report, config))
         if runtime is not None and runtime.layout.num_drafters > 1:
-            # broadcasts rank 0's weights
-            self.drafter_step.model = wrap_for_drafter_group(self.drafter, runtime)
-            if resumed:
-                broadcast_optimizer_state(self.optimizer, runtime)
+            self.drafter_step.replicate(runtime, resumed)
         self.stop_request = StopRequest(self._note)
         self.peak = reference_peak(config.telemetry.peak_tflops, self.device, config.train.precision)
         self.metrics = TrainingMetrics(
@@ -194,7 +191,7 @@ class Trainer:
         """
         step, train = self.drafter_step, self.config.train
         noise_std = feature_noise_std(train, self.step)
-        distributed = step.model is not self.drafter
+        distributed = step.replicated
         micro = batches.micro
         sums = StepSums.zeros(self.device)
         tree = self._tree_sample if (self.step + 1) % self.config.telemetry.log_every == 0 else None
@@ -203,9 +200,8 @@ class Trainer:
             if item.planned is None and not distributed:
                 continue
             last = number == len(micro) - 1
-            no_sync = step.model.no_sync() if distributed and not last else nullcontext()  # type: ignore[operator]
             position = number * self.rounds.drafters + self._drafter_index
-            with no_sync:  # DDP: forward and backward both inside, so only the last micro-batch all-reduces
+            with step.accumulating(last):  # forward and backward both inside
                 out = step.backward(
                     item.features,
                     micro_batches=len(micro),
