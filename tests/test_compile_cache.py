@@ -46,11 +46,15 @@ from app.compile.guard import (
     enter_steady_state,
     read_counters,
     recompile_errors,
-    throughput_watch,
     verify_fx_trace_flags,
 )
 from app.compile.key import COMPILED_SOURCES, MACHINE_GROUPS, cache_key, diff_fields, key_fields
-from app.compile.prepare import _warn_if_built_elsewhere, prepare_compiled_training, prepare_target_rank
+from app.compile.prepare import (
+    CompileReport,
+    _warn_if_built_elsewhere,
+    prepare_compiled_training,
+    prepare_target_rank,
+)
 from app.config import load_config, validate_config
 from app.config.builtins import BUILTIN_TARGETS
 from app.config.schema import CompileConfig
@@ -58,6 +62,7 @@ from app.errors import UserError
 from app.model.ce_kernel import _weighted_ce_rows
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.target import load_target
+from app.telemetry.compile_watches import compile_watches, throughput_watch
 from app.train.step import DrafterStep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,7 +358,7 @@ def test_prepare_on_cpu_is_eager_and_compiles_nothing(monkeypatch):
     before = read_counters()
     lines: list[str] = []
     report = prepare_compiled_training(config, DrafterStep(config, drafter, target, "cpu"), lines.append)
-    assert report.compiled is False and report.key is None and report.watches == []
+    assert report.compiled is False and report.key is None and report.library_jit is None
     assert read_counters() == before and lines == []
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/untouched"
     assert torch._dynamo.eval_frame._stance.stance == "default"
@@ -475,6 +480,32 @@ def test_baseline_follows_the_topology_and_feeds_the_throughput_watch():
     assert events[:3] == [[], [], []]
     assert len(events[3]) == 1 and "compile_cache/key" in events[3][0]  # the first slow window
     assert events[4:] == [[], []]  # the same slow stretch: no second event
+
+
+def test_telemetry_builds_the_compile_watches_from_the_report_s_plain_data():
+    """A report with a JIT count, a baseline and a start problem gives the three watches: the problem
+    on the first line, the library JIT once it grows, the throughput guard on a slow window."""
+    config = tiny_config()
+    compiles = [0]
+    report = CompileReport(
+        compiled=True, device="cuda", problems=["cache miss"], library_jit=lambda: compiles[0],
+        library_jit_source="entry-key", baseline_step_s=0.5, baseline_source="compile cache /c/k",
+    )  # fmt: skip
+    watches = compile_watches(report, config)
+    step = 0  # each watch's warm-up starts at the first record it sees
+    first = [
+        event for watch in watches for event in watch.check({"step": step, "drafter_batches_per_s": 2.0})
+    ]
+    assert first == ["compile: cache miss"]
+    compiles[0] = 2
+    slow = [
+        event
+        for watch in watches
+        for event in watch.check({"step": config.telemetry.warmup_steps, "drafter_batches_per_s": 1.0})
+    ]
+    assert [event.split(":")[0] for event in slow] == ["library JIT", "throughput"]
+    assert "entry-key" in slow[0] and "compile cache /c/k" in slow[1]
+    assert compile_watches(CompileReport(compiled=False, device="cpu"), config) != []  # the problems' watch
 
 
 def test_doctor_lists_caches_and_why_the_others_differ(built, monkeypatch, tmp_path):

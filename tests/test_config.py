@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -241,8 +242,8 @@ def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
     assert elsewhere.returncode == 0, elsewhere.stderr
     assert "target_layer_ids = [1, 16, 31, 46, 61]" in elsewhere.stdout  # set in the file
     assert "num_attention_heads = 32" in elsewhere.stdout  # the published drafter layout, set in the file
-    assert "rope_theta = null" in elsewhere.stdout  # from the target, which is not here
-    assert elsewhere.stderr.startswith("# defaults derived from the target left unset (null): target.path:")
+    assert "# rope_theta: unset" in elsewhere.stdout  # from the target, which is not here
+    assert elsewhere.stderr.startswith("# defaults derived from the target left unset: target.path:")
 
     bad = run_dflash("config", "show", "configs/tiny.toml", "train.lr=-1")
     assert bad.returncode == 2
@@ -252,6 +253,31 @@ def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
 
     usage = run_dflash("config", "show")
     assert usage.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides"),
+    [
+        (
+            "configs/tiny.toml",
+            ["train.lr=0.5", 'data.chat_template_kwargs={think=false, say="a\\"b", t=1.5e-7}'],
+        ),
+        ("configs/qwen3.6-27b.toml", []),  # its target is not here: the derived settings stay unset
+    ],
+)
+def test_config_show_prints_a_config_train_accepts_as_it_is(
+    capsys, monkeypatch, tmp_path: Path, config: str, overrides: list[str]
+) -> None:
+    """The shown TOML, saved, loads (as `dflash train` loads it) to the config shown: no null, every
+    value as it was, the derived defaults included."""
+    shown = dflash(capsys, monkeypatch, "config", "show", config, *overrides)
+    assert shown.returncode == 0, shown.stderr
+    assert "null" not in shown.stdout
+    saved = tmp_path / "shown.toml"
+    saved.write_text(shown.stdout)
+    resolved = json.loads(dflash(capsys, monkeypatch, "config", "show", "--json", config, *overrides).stdout)
+    assert load_config(saved).model_dump(mode="json") == resolved
+    assert dflash(capsys, monkeypatch, "config", "show", str(saved)).stdout == shown.stdout
 
 
 def test_cli_prints_its_version() -> None:

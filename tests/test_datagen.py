@@ -415,6 +415,19 @@ def test_empty_prompt_set_is_a_user_error(
     assert error_lines[-1].startswith("dflash: error: datagen.prompts: no usable prompt records")
 
 
+def test_a_line_longer_than_a_terminal_is_one_line_in_a_log(tmp_path: Path, capsys: Any) -> None:
+    """Written to a file (no terminal, so no width), datagen's lines are not cut at 80 columns: a
+    skipped record's long path stays on its line."""
+    deep = tmp_path / ("a-directory-name-long-enough-to-pass-eighty-columns-" * 2)
+    deep.mkdir()
+    only_bad = write_jsonl(deep / "bad.jsonl", [{"text": "x"}])
+    with pytest.raises(UserError):
+        run_datagen(make_config(only_bad, tmp_path / "out", ["http://127.0.0.1:9"]))
+    lines = capsys.readouterr().err.splitlines()
+    (line,) = [line for line in lines if "bad.jsonl" in line]
+    assert line.startswith(f"  {only_bad}:") and len(line) > 100
+
+
 def test_no_reachable_server_is_a_clear_error(tmp_path: Path) -> None:
     prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(2))
     dead = f"http://127.0.0.1:{free_port()}"

@@ -34,8 +34,9 @@ from app.model.flops import forward_flops, step_flops
 from app.model.objective import chunked_lm_head_ce
 from app.model.target import load_target
 from app.telemetry.hardware import datasheet_peak
+from app.train.metrics import NonFiniteLoss
 from app.train.step import BorrowedHeads, DrafterStep
-from app.train.trainer import NonFiniteLoss, Trainer
+from app.train.trainer import Trainer
 from tests.helpers import SMALL_VOCAB, random_target_config, run_dflash, small_drafter_raw_config
 from tests.jobs import ROOT, child_environment
 

@@ -39,6 +39,11 @@ def test_a_colocated_cpu_line_has_one_rate_and_no_queues_memory_mfu_or_noise() -
     )
 
 
+def test_a_pause_of_a_second_or_more_is_shown_beside_the_rates_it_is_left_out_of() -> None:
+    assert "paused" not in line(colocated=True, paused_s=0.4).render()  # a checkpoint's host copy
+    assert "| 4.00b/s (46.0Ktok/s) paused=12s | epoch~" in line(colocated=True, paused_s=12.0).render()
+
+
 def test_the_legend_explains_the_queues_of_a_split_run_and_why_a_cpu_has_no_mfu() -> None:
     config = load_config(ROOT / "configs" / "qwen3.6-27b.toml")
     split = legend(config, torch.device("cpu"), None, colocated=False)
@@ -52,6 +57,7 @@ def test_the_legend_explains_the_queues_of_a_split_run_and_why_a_cpu_has_no_mfu(
     )
     colocated = legend(config, torch.device("cpu"), None, colocated=True)
     assert "q_pre" not in colocated and "b/s = batches trained per second" in colocated
+    assert "paused = time in an eval or a checkpoint's copy, left out of the rates, mfu and ETA" in colocated
     assert colocated.endswith(
         "mfu not shown: a CPU has no reference peak (set telemetry.peak_tflops to compare with one)"
     )  # fmt: skip

@@ -25,9 +25,8 @@ from app.storage.s3 import MIB, digest_file, make_client, remote_mismatch, trans
 from app.telemetry import TelemetryWarning
 from app.telemetry.reporter import RunStart
 from app.telemetry.status import read_status
-from app.train.ranks import rank_telemetry
 from app.train.trainer import Trainer, TrainingStopped
-from tests.helpers import StopAtStep, small_config
+from tests.helpers import StopAtStep, dflash, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "dflash-test-secret-never-logged"
@@ -121,11 +120,10 @@ def test_pull_and_resume_equals_an_uninterrupted_run(
     config = small_config(
         tiny_conversations, tmp_path / "first", "train.max_steps=4", "telemetry.log_every=2", *storage
     )
-    reporters, watches = rank_telemetry(config)
     with warnings.catch_warnings():
         warnings.simplefilter("error", TelemetryWarning)
         with pytest.raises(TrainingStopped) as stop:
-            Trainer(config, reporters=[*reporters, StopAtStep(2)], watches=watches, log=quiet).run()
+            Trainer(config, reporters=[StopAtStep(2)], log=quiet).run()
     step = stop.value.step  # the checkpoint written on SIGTERM, after the steps in flight
     stopped = f"step_{step:08d}"
     logged = [json.loads(line) for line in (tmp_path / "first" / "metrics.jsonl").read_text().splitlines()]
@@ -154,6 +152,21 @@ def test_pull_and_resume_equals_an_uninterrupted_run(
     assert f"restored {pulled / 'checkpoints' / stopped} (step {step})" in done.out
     assert SECRET not in done.out + done.err
     assert (pulled / "checkpoints" / "latest").read_text().strip() == stopped
+
+    # the run's drafter exported and put beside its checkpoints, manifest last
+    exported = dflash(
+        capsys, monkeypatch, "export", str(tmp_path / "first"), "--out", str(tmp_path / "v1"), "--upload"
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stdout.splitlines()[-1] == f"uploaded to {uri}/exports/v1/"
+    manifest = json.loads(
+        client.get_object(Bucket=bucket, Key="runs/first/exports/v1/manifest.json")["Body"].read()
+    )
+    assert set(manifest["files"]) == {path.name for path in (tmp_path / "v1").iterdir()}
+    local = dflash(
+        capsys, monkeypatch, "export", str(tmp_path / "straight"), "--out", str(tmp_path / "v2"), "--upload"
+    )
+    assert local.returncode == 2 and "--upload: the run has no storage.s3_uri" in local.stderr
 
     resumed = Trainer(small_config(tiny_conversations, pulled, "train.max_steps=4"), resume=True, log=quiet)
     assert resumed.step == step < 4
@@ -289,8 +302,8 @@ def test_remote_keeps_the_newest_complete_checkpoints_and_exports(
     export.mkdir()
     (export / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
     (export / "model.safetensors").write_bytes(b"weights")
-    sync.sync_export(export)
     sync.on_exit("completed", 3)
+    upload_export(storage, export)  # what `dflash export --upload` runs
 
     remote = RemoteRun(make_client(s3_endpoint, 0), parse_s3_uri(uri), 5)
     assert remote.complete_checkpoints() == ["step_00000002", "step_00000003"]
@@ -302,7 +315,6 @@ def test_remote_keeps_the_newest_complete_checkpoints_and_exports(
     )
     assert set(manifest["files"]) == {"config.json", "model.safetensors"}
 
-    upload_export(storage, export)  # the blocking form `dflash export` can use: same objects again
     assert sync.state()["synced_checkpoint"]["step"] == 3
 
 

@@ -4,6 +4,7 @@ fed to the real watches), a crashed run (a real non-finite loss), and the PNG pl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -15,14 +16,15 @@ import pytest
 import torch
 from PIL import Image
 
-from app.compile.guard import throughput_watch
 from app.config import load_config
 from app.errors import UserError
 from app.telemetry import build_telemetry
+from app.telemetry.compile_watches import throughput_watch
 from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
-from app.train.trainer import NonFiniteLoss, Trainer
+from app.train.metrics import NonFiniteLoss
+from app.train.trainer import Trainer
 from tests.helpers import dflash, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,8 +58,7 @@ def healthy_run(tiny_lm_dir, tiny_conversations, tmp_path_factory) -> Path:
         tiny_conversations, run_dir, "train.max_steps=4", "train.eval_every=2", "train.eval_prompts=1",
         "train.eval_max_new_tokens=8", "telemetry.status_every=2",
     )  # fmt: skip
-    reporters, watches = build_telemetry(config)
-    Trainer(config, reporters=reporters, watches=watches, log=quiet).run()
+    Trainer(config, log=quiet).run()
     return run_dir
 
 
@@ -74,6 +75,20 @@ def test_healthy_run_status_file(healthy_run: Path) -> None:
     assert status["fingerprint"]["torch"].startswith("2.") and status["goal"]["max_steps"] == 4
     assert status["compile"]["compiled"] is False and status["compile"]["device"] == "cpu"
     assert "compile_counters" in status and not list(healthy_run.glob(f".{STATUS_FILE}.*"))
+
+
+def test_a_finished_run_whose_drafter_is_exported_is_not_told_to_export_it(
+    healthy_run: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The demo exports into RUN_DIR/export itself: status then points at the export, not at
+    `dflash export`; an export older than the last checkpoint is stale and the hint returns."""
+    run_dir = shutil.copytree(healthy_run, tmp_path / "run")
+    exported = dflash(capsys, monkeypatch, "export", str(run_dir), "--out", str(run_dir / "export"))
+    assert exported.returncode == 0, exported.stderr
+    text = dflash(capsys, monkeypatch, "status", str(run_dir)).stdout
+    assert f"serve the drafter exported in {run_dir / 'export'}" in text and "dflash export" not in text
+    os.utime(run_dir / "export" / "model.safetensors", (0, 0))  # written before the last checkpoint
+    assert f"dflash export {run_dir}" in dflash(capsys, monkeypatch, "status", str(run_dir)).stdout
 
 
 def test_healthy_run_document_and_plots(healthy_run: Path, capsys, monkeypatch) -> None:
@@ -231,9 +246,8 @@ def test_crashed_run_shows_the_non_finite_loss(
     """Noise of 1e38 on the features overflows the forward: the trainer stops with NonFiniteLoss."""
     run_dir = tmp_path / "crashed"
     config = small_config(tiny_conversations, run_dir, "train.max_steps=3", "train.feature_noise_std=1e38")
-    reporters, watches = build_telemetry(config)
     with pytest.raises(NonFiniteLoss):
-        Trainer(config, reporters=reporters, watches=watches, log=quiet).run()
+        Trainer(config, log=quiet).run()
     status = read_status(run_dir)
     assert status["state"] == "failed" and status["health"]["state"] == "failed"
     assert status["exit_reason"].startswith(
@@ -357,9 +371,8 @@ def test_a_compile_cache_problem_at_train_start_is_a_health_event(
     monkeypatch.setattr("app.train.trainer.prepare_compiled_training", damaged_cache)
     run_dir = tmp_path / "damaged"
     config = small_config(tiny_conversations, run_dir, "train.max_steps=2")
-    reporters, watches = build_telemetry(config)
     lines: list[str] = []
-    Trainer(config, reporters=reporters, watches=watches, log=lines.append).run()
+    Trainer(config, log=lines.append).run()
 
     assert any(line.startswith("[") and f"compile: {problem}" in line for line in lines), lines
     status = read_status(run_dir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -19,10 +20,11 @@ from app.config import load_config
 from app.errors import UserError
 from app.model.flops import forward_flops, step_flops
 from app.model.objective import drafter_loss
-from app.pipeline.counters import GatheredWindow
+from app.pipeline.counters import RankCounters
+from app.train.metrics import NonFiniteLoss, StepOutput, StepSums, WindowSums, gather_window
 from app.train.ranks import run_drafter_rank
 from app.train.schedule import learning_rate
-from app.train.trainer import NonFiniteLoss, Trainer, TrainingStopped
+from app.train.trainer import Trainer, TrainingStopped
 from tests.helpers import (
     SMALL,
     StopAtStep,
@@ -152,13 +154,34 @@ def test_the_log_line_mfu_is_the_useful_flops_of_the_batches_trained(
         rows = [item.features.row for batches in window for item in batches.micro if item.planned is not None]
         assert len(rows) == 4
         flops = sum(float(step_flops(forward_flops(trainer.drafter.arch, row))) for row in rows)
-        assert record["tflops_per_s"] * record["window_s"] * 1e12 == pytest.approx(flops, rel=1e-9)
+        training_s = record["window_s"] - record["paused_s"]
+        assert record["tflops_per_s"] * training_s * 1e12 == pytest.approx(flops, rel=1e-9)
         assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.5, rel=1e-9)
     log_lines = [line for line in lines if line.startswith("[")]
     assert f"mfu={100 * records[-1]['mfu']:.1f}%" in log_lines[-1] and " step=4/4 " in log_lines[-1]
     assert any(
         line.endswith("mfu = drafter FLOP/s over 0.5 TFLOP/s (telemetry.peak_tflops)") for line in lines
     )
+
+
+def test_an_eval_in_a_log_window_is_a_pause_not_a_throughput_collapse(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """The eval after step 2 falls in the window of steps 3-4: its seconds are recorded as paused and
+    left out of the rates and the ETA, which are over the window's training time only."""
+    config = small_config(
+        tiny_conversations, tmp_path, "train.max_steps=6", "telemetry.log_every=2", "train.eval_every=2",
+        "train.eval_prompts=1", "train.save_every=100",
+    )  # fmt: skip
+    Trainer(config, log=quiet).run()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    windows = [record for record in records if "eval" not in record]
+    assert [w["step"] for w in windows] == [2, 4, 6] and windows[0]["paused_s"] == 0
+    for window in windows[1:]:
+        assert 0 < window["paused_s"] < window["window_s"]  # the eval at the previous line
+        training_s = window["window_s"] - window["paused_s"]
+        assert window["drafter_batches_per_s"] * training_s == pytest.approx(2, rel=1e-9)  # 2 steps of 1
+        assert window["eta_s"] == pytest.approx((6 - window["step"]) * training_s / 2, rel=1e-9)
 
 
 def test_empty_dataset_is_refused_before_any_model_loads(tiny_tokenizer_dir, tmp_path: Path) -> None:
@@ -437,6 +460,7 @@ def test_a_full_disk_at_a_checkpoint_stops_the_run_in_one_line_keeping_the_previ
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
+    assert "Loading weights" not in done.stderr  # the library's bar, in a log that is not a terminal
     assert sum(line.startswith("dflash:") for line in done.stderr.splitlines()) == 1
     assert done.stderr.splitlines()[-1] == (
         f"dflash: error: checkpoint of step 4 in {root} could not be written (File too large); the previous "
@@ -474,9 +498,26 @@ def test_a_resume_keeps_the_schedule_or_refuses_a_change(
 
 
 def test_a_window_s_tree_streak_is_per_sampled_block_over_the_steps_that_measured_it() -> None:
-    # STEP_FIELDS per step: loss, acc, streak, real batches, tree-streak slots, tree blocks
-    totals = torch.tensor([[4.0, 1.0, 2.0, 2.0, 0.0, 0.0], [6.0, 1.0, 3.0, 2.0, 30.0, 16.0]])
-    window = GatheredWindow(totals, [])
-    assert window.mean("streak") == pytest.approx(5 / 4)  # per real batch of the window
-    assert window.tree_streak() == pytest.approx(30 / 16)  # per sampled block, not per batch
-    assert GatheredWindow(totals[:1], []).tree_streak() is None  # no step of it measured one
+    def window(*steps: dict[str, float]) -> WindowSums:
+        return WindowSums(**{name: torch.tensor([step[name] for step in steps]) for name in steps[0]})
+
+    plain = {"loss": 4.0, "acc": 1.0, "streak": 2.0, "batches": 2.0, "tree_accepted": 0.0, "tree_blocks": 0.0}
+    measured = {**plain, "loss": 6.0, "streak": 3.0, "tree_accepted": 30.0, "tree_blocks": 16.0}
+    both = window(plain, measured)
+    assert both.mean(both.streak) == pytest.approx(5 / 4)  # per real batch of the window
+    assert both.tree_streak() == pytest.approx(30 / 16)  # per sampled block, not per batch
+    assert window(plain).tree_streak() is None  # no step of it measured one
+
+
+def test_a_step_s_sums_reach_the_window_by_name() -> None:
+    """What crosses the drafter group is packed by position; each field comes back under its name."""
+    sums = StepSums.zeros(torch.device("cpu"))
+    values = {field.name: float(index + 1) for index, field in enumerate(dataclasses.fields(sums))}
+    for name, value in values.items():
+        getattr(sums, name).fill_(value)
+    step = StepOutput(sums, 0.0, torch.tensor(1.0), round=None, flops=torch.tensor(0))  # type: ignore[arg-type]
+    window, counters = gather_window(None, [step, step], RankCounters(1, 2, 3, 4, 5, []))
+    assert {name: getattr(window, name).tolist() for name in values} == {
+        n: [v] * 2 for n, v in values.items()
+    }
+    assert window.step_losses == [1 / 4] * 2 and counters == [RankCounters(1, 2, 3, 4, 5, [])]

@@ -14,8 +14,9 @@ from app.checkpoint.store import load_latest_checkpoint
 from app.compile.warmup import synthetic_batches
 from app.config import load_config
 from app.model.drafter import DFlashDrafter, DrafterArch
+from app.train.metrics import NonFiniteLoss
 from app.train.step import BorrowedHeads, DrafterStep
-from app.train.trainer import NonFiniteLoss, Trainer
+from app.train.trainer import Trainer
 from tests.helpers import small_config
 
 

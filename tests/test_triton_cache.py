@@ -21,12 +21,8 @@ from app.compile.artifacts import (
     read_entry,
     write_entry,
 )
-from app.compile.library_jit import (
-    LibraryJitAbort,
-    LibraryJitCounter,
-    LibraryJitWatch,
-    counting_triton_compiles,
-)
+from app.compile.library_jit import LibraryJitCounter, counting_triton_compiles
+from app.telemetry.compile_watches import LibraryJitAbort, LibraryJitWatch
 from app.telemetry.guard import GuardedWatch
 
 
@@ -137,7 +133,7 @@ def test_the_library_jit_watch_counts_new_triton_cache_entries_after_warm_up(tmp
     triton = tmp_path / "triton"
     (triton / "baked-kernel").mkdir(parents=True)
     (triton / "not-an-entry.tmp").write_text("")
-    watch = LibraryJitWatch(LibraryJitCounter(triton), abort=False, source="nvidia-h200-sm90-abc")
+    watch = LibraryJitWatch(LibraryJitCounter(triton).new, abort=False, source="nvidia-h200-sm90-abc")
     assert watch.check({"step": 5}) == [] and watch.active is None
     (triton / "compiled-after-warm-up").mkdir()
     (event,) = watch.check({"step": 10, "target_library_jit": [0, 2]})
@@ -148,7 +144,7 @@ def test_the_library_jit_watch_counts_new_triton_cache_entries_after_warm_up(tmp
     assert watch.check({"step": 15, "target_library_jit": [0, 2]}) == []  # nothing new, no second event
     assert watch.check({"step": 20, "target_library_jit": [1, 2]})[0].startswith("library JIT: 4 ")
 
-    aborting = GuardedWatch(LibraryJitWatch(LibraryJitCounter(triton), abort=True, source="x"))
+    aborting = GuardedWatch(LibraryJitWatch(LibraryJitCounter(triton).new, abort=True, source="x"))
     (triton / "another").mkdir()
     with pytest.raises(LibraryJitAbort, match=r"compile\.on_cache_miss = abort"):
         aborting.check({"step": 25})

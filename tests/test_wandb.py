@@ -15,7 +15,7 @@ import pytest
 
 from app.config import load_config
 from app.env import collect_fingerprint
-from app.telemetry import TelemetryWarning, build_telemetry
+from app.telemetry import TelemetryWarning
 from app.telemetry.reporter import RunStart
 from app.telemetry.status import read_status
 from app.telemetry.wandb_sink import RUN_ID_FILE, WandbReporter, resolve_wandb_mode, wandb_metrics
@@ -149,13 +149,14 @@ def test_wandb_that_cannot_reach_its_server_does_not_stop_training(
         [*SMALL, f"data.train_files=['{tiny_conversations}']", f"train.output_dir={run_dir}", "train.max_steps=3",
          "telemetry.wandb=auto", "telemetry.wandb_timeout_s=3"],
     )  # fmt: skip
-    reporters, watches = build_telemetry(config)
-    wandb_reporter = next(r.inner for r in reporters if isinstance(r.inner, WandbReporter))
-    assert wandb_reporter.mode == "online"
     lines: list[str] = []
+    trainer = Trainer(config, log=lines.append)
+    guarded = trainer.telemetry.reporters
+    wandb_reporter = next(r.inner for r in guarded if isinstance(getattr(r, "inner", None), WandbReporter))
+    assert wandb_reporter.mode == "online"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = Trainer(config, reporters=reporters, watches=watches, log=lines.append).run()
+        result = trainer.run()
         # The run may end before wandb gives up (its exit wait is bounded too): let the thread finish.
         wandb_reporter._thread.join(120)
     assert result.steps == 3 and len(result.losses) == 3

@@ -22,8 +22,8 @@ from app.checkpoint.store import save_checkpoint
 from app.checkpoint.writer import CheckpointWriter
 from app.config import RunConfig
 from app.model.drafter import DFlashDrafter, DrafterArch
+from app.model.loading import pick_device
 from app.model.target import target_text_config
-from app.train.setup import pick_device
 from app.train.step import build_optimizer
 
 

@@ -19,7 +19,7 @@ from app.errors import UserError
 def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Callable[[str], None]) -> None:
     """Decode the first `count` prompts of `datagen.prompts` (after one compiling call), then profile
     `profile_steps` decode steps."""
-    from app.train.setup import load_tokenizer
+    from app.model.loading import load_tokenizer
 
     records = load_prompts(config.datagen.prompts).records[:count]
     tokenizer = load_tokenizer(config)

@@ -90,8 +90,8 @@ def measure_stages(config: RunConfig) -> dict[str, Any]:
     from app.compile.prepare import prepare_compiled_training
     from app.compile.warmup import time_training_steps
     from app.model.drafter import DFlashDrafter, DrafterArch
+    from app.model.loading import pick_device
     from app.model.target import load_target
-    from app.train.setup import pick_device
     from app.train.step import DrafterStep
 
     device = pick_device(config.train.device)
@@ -118,7 +118,8 @@ def time_run_batches_forward(config: RunConfig, target: TargetModel, device: tor
     from app.compile.warmup import time_target_forwards
     from app.data.batching import BatchPlanner, collate
     from app.data.tokenize import pad_token_id
-    from app.train.setup import load_run_data, load_tokenizer
+    from app.model.loading import load_tokenizer
+    from app.train.setup import load_run_data
 
     tokenizer = load_tokenizer(config)
     train_data, _ = load_run_data(config, tokenizer, runtime=None)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Annotated
 
 import typer
 
 from app.errors import UserError
+
+CONFIG_FORMS = "a .toml, .yaml or .json file, or a run directory"
+"""What every command's CONFIG argument accepts: what `load_config` reads."""
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="section.field=value overrides.")]
 """`section.field=value` settings applied over the config file, as `load_config` reads them."""
@@ -22,3 +26,16 @@ def int_list(text: str, option: str, minimum: int) -> list[int]:
     if not values or any(value < minimum for value in values):
         raise UserError(f"{option}: expected integers >= {minimum} separated by commas, got {text!r}")
     return values
+
+
+def shell_command(words: list[str]) -> str:
+    """`words` as one line a POSIX shell reads back to them, quoted for a reader: a word with single
+    quotes (`data.train_files=['a.jsonl']`) in double quotes where that is safe, not shlex's `'"'"'`."""
+    return " ".join(_shell_word(word) for word in words)
+
+
+def _shell_word(word: str) -> str:
+    quoted = shlex.quote(word)
+    if quoted == word or "'" not in word or any(char in word for char in '"$`\\!'):
+        return quoted
+    return f'"{word}"'

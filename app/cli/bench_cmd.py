@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import Overrides, int_list
+from app.cli.arguments import CONFIG_FORMS, Overrides, int_list
 from app.config import load_config
 from app.errors import UserError
 
@@ -16,7 +16,7 @@ group = typer.Typer(help="Benchmarks at a config's exact shapes.", no_args_is_he
 
 @group.command("drafter")
 def drafter(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    config: Annotated[str, typer.Argument(help=f"Run config: {CONFIG_FORMS}.")],
     overrides: Overrides = None,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Timed steps.")] = 10,
     warmup: Annotated[
@@ -50,7 +50,7 @@ def drafter(
 
 @group.command("target")
 def target(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    config: Annotated[str, typer.Argument(help=f"Run config: {CONFIG_FORMS}.")],
     overrides: Overrides = None,
     shapes: Annotated[
         int | None, typer.Option("--shapes", min=1, help="Shapes of the run's set, spread (default: all).")
@@ -87,7 +87,7 @@ def target(
 @group.command("tree")
 def tree(
     config: Annotated[
-        str, typer.Argument(help="Config file (.toml or .yaml); its target must be attention-only.")
+        str, typer.Argument(help=f"Run config ({CONFIG_FORMS}); its target must be attention-only.")
     ],
     overrides: Overrides = None,
     budgets: Annotated[
@@ -106,7 +106,7 @@ def tree(
 
 @group.command("pipeline")
 def pipeline(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml); its topology is what runs.")],
+    config: Annotated[str, typer.Argument(help=f"Run config ({CONFIG_FORMS}); its topology is what runs.")],
     overrides: Overrides = None,
     steps: Annotated[int, typer.Option("--steps", min=2, help="Training steps of the pipeline run.")] = 200,
     workdir: Annotated[
@@ -133,7 +133,7 @@ def pipeline(
 
 @group.command("checkpoint")
 def checkpoint(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    config: Annotated[str, typer.Argument(help=f"Run config: {CONFIG_FORMS}.")],
     overrides: Overrides = None,
     workdir: Annotated[
         str, typer.Option("--workdir", help="Scratch dir on the disk checkpoints go to (emptied after).")
@@ -170,7 +170,9 @@ def data(
 
 @group.command("quality")
 def quality(
-    config: Annotated[str, typer.Argument(help="Config file (e.g. configs/smollm2-quality.toml).")],
+    config: Annotated[
+        str, typer.Argument(help=f"Run config ({CONFIG_FORMS}), e.g. configs/smollm2-quality.toml.")
+    ],
     overrides: Overrides = None,
     workdir: Annotated[
         str, typer.Option("--workdir", help="Prompts, data, runs and the report; a rerun resumes here.")
@@ -211,9 +213,10 @@ def quality(
         str | None, typer.Option("--out", help="The report as JSON (default WORKDIR/quality.json).")
     ] = None,
 ) -> None:
-    """Train drafters with the config's recipe on its (real) target and measure held-out acceptance per
-    domain: prompts, the target's own answers, one run per objective and seed, chain and DDTree tau with
-    95% intervals, each objective against the first paired by seed."""
+    """Train drafters on a real target and measure their held-out acceptance per domain.
+
+    With the config's recipe: prompts, the target's own answers, one run per objective and seed, chain
+    and DDTree tau with 95% intervals, each objective against the first paired by seed."""
     from pathlib import Path
 
     from app.bench.quality import QualityPlan, run_quality

@@ -6,11 +6,11 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides
 
 
 def build_cache(
-    config: Annotated[str, typer.Argument(help="Run config (.toml or .yaml) whose shapes to compile.")],
+    config: Annotated[str, typer.Argument(help=f"Run config ({CONFIG_FORMS}) whose shapes to compile.")],
     overrides: Overrides = None,
     force: Annotated[
         bool, typer.Option("--force", help="Rebuild even when a matching, intact cache exists.")

@@ -15,39 +15,39 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.cli.arguments import Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides
 from app.config import RunConfig, load_config
+from app.config.toml_text import config_toml
 
 group = typer.Typer(help="Inspect run configs.", no_args_is_help=True)
 
 
 @group.command("show")
 def show(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    config: Annotated[str, typer.Argument(help=f"Run config: {CONFIG_FORMS}.")],
     overrides: Overrides = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML-like text.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of TOML.")] = False,
 ) -> None:
-    """Print the fully resolved config: file + overrides + defaults, and the defaults derived from the
-    target (the drafter's head layout, FFN, target layers) and the block size (gamma)."""
+    """Print the fully resolved config, as TOML that `dflash train` accepts as it is.
+
+    File + overrides + defaults, and the defaults derived from the target (the drafter's head layout,
+    FFN, target layers) and the block size (gamma); unset settings are comments."""
     loaded = load_config(config, overrides or [])
     data = _with_derived_defaults(loaded).model_dump(mode="json")
     if as_json:
         print(json.dumps(data, indent=2))
         return
-    for section, fields in data.items():
-        print(f"[{section}]")
-        for name, value in fields.items():
-            print(f"{name} = {json.dumps(value)}")
-        print()
+    print(config_toml(data), end="")
 
 
 @group.command("torchrun")
 def torchrun(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml).")],
+    config: Annotated[str, typer.Argument(help=f"Run config: {CONFIG_FORMS}.")],
     overrides: Overrides = None,
 ) -> None:
-    """Print, one word per line, the torchrun command (without the program it runs) that launches the
-    config's topology on this node: from topology.nnodes / nproc_per_node and the rendezvous variables
+    """Print the torchrun command that launches the config's topology on this node, one word per line.
+
+    Without the program it runs: from topology.nnodes / nproc_per_node and the rendezvous variables
     (RDZV_ENDPOINT and RDZV_ID, or MASTER_ADDR, MASTER_PORT and NODE_RANK), after waiting for an
     endpoint another node hosts. entrypoint.sh train runs it; a partial rendezvous is refused."""
     import os
@@ -91,7 +91,7 @@ def _with_derived_defaults(config: RunConfig) -> RunConfig:
     try:
         return with_derived_defaults(config, DrafterArch.from_config(config))
     except UserError as error:
-        print(f"# defaults derived from the target left unset (null): {error}", file=sys.stderr)
+        print(f"# defaults derived from the target left unset: {error}", file=sys.stderr)
         return config
 
 

@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from typing import Annotated
 
 import typer
 
-from app.cli.arguments import Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides, shell_command
+from app.cli.bars import library_bars_only_on_a_tty
 from app.config import load_config
 
 
 def datagen(
-    config: Annotated[str, typer.Argument(help="Config file (.toml or .yaml); its datagen section is used.")],
+    config: Annotated[str, typer.Argument(help=f"Run config ({CONFIG_FORMS}); its datagen section is used.")],
     overrides: Overrides = None,
 ) -> None:
-    """Send every prompt to the OpenAI-compatible servers (or, with datagen.engine=local, to the run's
-    own target in this process) and write the target's answers as parquet shards.
+    """Regenerate the prompts' answers with the target, written as parquet shards.
+
+    Every prompt goes to the OpenAI-compatible servers, or with datagen.engine=local to the run's own
+    target in this process.
 
     Resumable: rerun the same command after an interruption; completed records are skipped and
     earlier failures are retried.
     """
     run_config = load_config(config, overrides or [])
+    library_bars_only_on_a_tty()
     if run_config.datagen.engine == "local":
         from app.datagen.local import run_local_datagen  # imported here so that `dflash --help` stays fast
 
@@ -36,7 +39,7 @@ def datagen(
         for line in report.summary():
             print(line, flush=True)
         if report.stopped_by:
-            command = shlex.join(["dflash", "datagen", config, *(overrides or [])])
+            command = shell_command(["dflash", "datagen", config, *(overrides or [])])
             print(f"datagen: to resume: {command}", flush=True)
     except OSError:
         # the terminal is gone (closed window: SIGHUP, then EIO): the records are committed and the

@@ -18,14 +18,11 @@ def demo(
 
     Runs on CPU in a few minutes with nothing downloaded (the first run also builds the tiny target).
     """
-    import datasets
-    from transformers.utils import logging as transformers_logging
-
+    from app.cli.bars import disable_library_bars
     from app.demo.run import run_demo
 
     # The demo narrates its own steps; the libraries' bars over its tiny local files are noise there.
-    transformers_logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    disable_library_bars()
     from app.train.trainer import TrainingStopped
 
     try:

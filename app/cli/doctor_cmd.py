@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from app.cli.arguments import CONFIG_FORMS
 from app.env import Difference
 from app.errors import UserError
 
@@ -47,7 +48,9 @@ def doctor(
     ] = None,
     config: Annotated[
         str | None,
-        typer.Option("--config", help="A run config: also match the compile caches on its shapes."),
+        typer.Option(
+            "--config", help=f"A run config ({CONFIG_FORMS}): also match the compile caches on its shapes."
+        ),
     ] = None,
 ) -> None:
     """Fingerprint the environment (torch/CUDA/triton/transformers, GPUs, uv.lock, stray packages, caches)."""

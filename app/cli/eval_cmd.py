@@ -69,9 +69,14 @@ def evaluate(
         ),
     ] = None,
 ) -> None:
-    """Speculative-decode held-out prompts with the target and the drafter; print chain and tree tau
-    and their histograms (exit 1 when --check-lossless finds a decode other than the target's)."""
+    """Measure a drafter's acceptance length tau on held-out prompts, chain and tree.
+
+    Speculative-decodes them with the target and the drafter and prints chain and tree tau and their
+    histograms (exit 1 when --check-lossless finds a decode other than the target's)."""
+    from app.cli.bars import library_bars_only_on_a_tty
     from app.evaluate.trained import evaluate_trained  # heavy imports only for this command
+
+    library_bars_only_on_a_tty()
 
     budgets = _budgets(tree_budget)
     evaluation = evaluate_trained(

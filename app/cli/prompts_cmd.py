@@ -24,10 +24,11 @@ def build(
         typer.Option("--count", help="Prompts in all, both splits (default 50000, at least 1000)."),
     ] = None,
 ) -> None:
-    """Build code, prose and math prompts offline, split by source: held-out packages, topic groups,
-    templates and problem families never appear in train.jsonl.
+    """Build code, prose and math prompts offline, split by source into train and held-out files.
 
-    Same seed, same installed packages: byte-identical files. Regenerate train.jsonl's answers with `dflash datagen`; measure acceptance per domain on heldout.jsonl.
+    Held-out packages, topic groups, templates and problem families never appear in train.jsonl. Same
+    seed, same installed packages: byte-identical files. Regenerate train.jsonl's answers with
+    `dflash datagen`; measure acceptance per domain on heldout.jsonl.
     """
     from pathlib import Path
 

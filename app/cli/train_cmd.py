@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides
 
 STOPPED_EXIT_CODE = 143
 """128 + SIGTERM: stopped by a signal after checkpointing; `--resume` continues exactly."""
@@ -24,7 +24,7 @@ FOLLOWER_EXIT_DELAY_S = 2.0
 
 
 def train(
-    config: Annotated[str, typer.Argument(help="Run config (.toml or .yaml).")],
+    config: Annotated[str, typer.Argument(help=f"Run config: {CONFIG_FORMS}.")],
     overrides: Overrides = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the run directory's latest good checkpoint.")
@@ -51,7 +51,10 @@ def train(
     cache_root()
     if resume:
         require_run_to_resume(run_config.train.output_dir)
+    from app.cli.bars import library_bars_only_on_a_tty
     from app.pipeline.distributed import wants_distributed
+
+    library_bars_only_on_a_tty()
 
     if wants_distributed(run_config):
         _train_rank(run_config, resume)

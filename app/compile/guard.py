@@ -4,7 +4,7 @@ The incident's run degraded silently three ways: eager flex_attention on CUDA, k
 (or compiled during FX tracing through a forced flag), and 4.6K instead of 20K tok/s. Each has a
 check here: `compiles_on` refuses eager on CUDA, `cache_use_problems` reads the inductor/autograd
 cache counters after warm-up, `steady_state` turns any later recompile into a one-line error, and
-`throughput_watch` compares steady-state step time with the baseline measured by `build-cache`.
+`baseline_step_time` is the step time `build-cache` measured, which the throughput watch compares with.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 
 from app.config.schema import RunConfig
 from app.errors import UserError
-from app.telemetry.reporter import HealthWatch
 
 RECOMPILE_MESSAGE = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
 
@@ -192,14 +191,3 @@ def baseline_step_time(measured: dict[str, Any], config: RunConfig) -> float | N
     if topology.target_ranks == 0:
         return drafter + target
     return max(drafter, target * topology.drafter_ranks / topology.target_ranks)
-
-
-def throughput_watch(step_time_s: float, source: str, config: RunConfig) -> HealthWatch:
-    """A HealthWatch raising an event when steady-state step time falls behind the baseline."""
-    from app.telemetry.baseline import Baseline
-    from app.telemetry.guard import GuardedWatch
-    from app.telemetry.health import ThroughputWatch
-
-    baseline = Baseline(step_time_s=step_time_s, source=source)
-    watch = ThroughputWatch(baseline, config.compile.slow_step_threshold, config.telemetry.warmup_steps)
-    return GuardedWatch(watch)

@@ -1,4 +1,4 @@
-"""The library-JIT watch: Triton kernels compiled or autotuned after warm-up, by any library.
+"""Library JIT: Triton kernels compiled or autotuned after warm-up, by any library, counted.
 
 `fail_on_recompile` covers what torch.compile compiles; a hybrid target's flash-linear-attention
 kernels are Triton JIT outside it, and they compile and autotune once per new input shape (0.6 to
@@ -6,7 +6,7 @@ kernels are Triton JIT outside it, and they compile and autotune once per new in
 nothing to its Triton cache: every entry written there (a compiled kernel, new or compiled again
 into a baked entry, or an autotuning result, which `TRITON_CACHE_AUTOTUNING` keeps on disk) is a
 compile after warm-up, counted like an inductor cache miss: a health event, or with
-`compile.on_cache_miss = abort` the end of the run.
+`compile.on_cache_miss = abort` the end of the run (the watch: `app.telemetry.compile_watches`).
 Target ranks count their own cache and report the count with their stats; the logging drafter rank
 adds them up.
 """
@@ -19,9 +19,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from app.telemetry.health import HealthAbort
 
 
 def triton_cache_entries(directory: str | Path | None = None) -> dict[str, int]:
@@ -110,35 +107,3 @@ class LibraryJitCounter:
     def new(self) -> int:
         now = triton_cache_entries(self.directory)
         return sum(1 for name, mtime in now.items() if self.baseline.get(name) != mtime)
-
-
-class LibraryJitAbort(HealthAbort):
-    """A Triton compile after warm-up with `compile.on_cache_miss = abort`."""
-
-
-class LibraryJitWatch:
-    """A health watch: an event each time the job's count of library JIT after warm-up grows.
-
-    Reads this process's counter and the target ranks' reported counts (`target_library_jit` of the
-    record: one per target rank, split topologies)."""
-
-    def __init__(self, counter: LibraryJitCounter, *, abort: bool, source: str) -> None:
-        self.counter = counter
-        self.abort = abort
-        self.source = source
-        self.reported = 0
-        self.active: str | None = None
-
-    def check(self, record: dict[str, Any]) -> list[str]:
-        total = self.counter.new() + sum(record.get("target_library_jit") or [])
-        if total <= self.reported:
-            return []
-        new, self.reported = total - self.reported, total
-        self.active = (
-            f"library JIT: {total} Triton kernel compiles or autotunings after warm-up ({new} new in this "
-            f"window) although {self.source} was loaded: a target shape or library kernel the cache lacks "
-            "costs seconds each; rebuild the cache with `dflash build-cache` for this config"
-        )
-        if self.abort:
-            raise LibraryJitAbort(f"{self.active} (compile.on_cache_miss = abort)")
-        return [self.active]

@@ -26,24 +26,21 @@ from app.compile.guard import (
     compiles_on,
     enter_steady_state,
     read_counters,
-    throughput_watch,
     verify_fx_trace_flags,
 )
 from app.compile.key import cache_key, key_fields
-from app.compile.library_jit import LibraryJitCounter, LibraryJitWatch, counting_triton_compiles
+from app.compile.library_jit import LibraryJitCounter, counting_triton_compiles
 from app.compile.warmup import TrainingStep, compile_seconds, warm_up_drafter, warm_up_target
 from app.config.schema import RunConfig
 from app.model.target import TargetModel
-from app.telemetry.guard import GuardedWatch
-from app.telemetry.health import ExternalEvents
-from app.telemetry.reporter import HealthWatch
 
 Log = Callable[[str], None]
 
 
 @dataclass
 class CompileReport:
-    """What train start did about compilation (for the log, status.json and the health watches)."""
+    """What train start did about compilation, as plain data: for the log, status.json and the health
+    watches `app.telemetry.compile_watches` builds from it."""
 
     compiled: bool
     device: str
@@ -60,17 +57,15 @@ class CompileReport:
     is the step's own work and its kernels' first launches."""
     baseline_step_s: float | None = None
     """Expected seconds per optimizer step for this run's topology (from the manifest)."""
+    baseline_source: str = ""
+    """Where the baseline was measured (the loaded cache entry)."""
     problems: list[str] = field(default_factory=list)
-    watches: list[HealthWatch] = field(default_factory=list)
-    """Health watches to add to the trainer's (the throughput guard, when a baseline exists)."""
-
-    def health_watches(self) -> list[HealthWatch]:
-        """The run's watches from compilation: the throughput guard, and the problems found at start
-        (a cache miss, a damaged entry) as health events on the first log line."""
-        problems = ExternalEvents()
-        for problem in self.problems:
-            problems.post(f"compile: {problem}")
-        return [*self.watches, problems]
+    """What went wrong at start (a cache miss, a damaged entry), one line each."""
+    library_jit: Callable[[], int] | None = None
+    """Triton compiles and autotunings of this process since warm-up, counted when called; None when
+    no baked Triton cache was loaded (then nothing says what is new)."""
+    library_jit_source: str = ""
+    """The loaded entry whose kernels a later compile lacked."""
 
     @property
     def warmup_counters(self) -> CompileCounters:
@@ -148,16 +143,11 @@ def prepare_compiled_training(
 
     if entry is not None and entry.triton_path is not None:
         # From here on (warm-up done, baked kernels in place) a new Triton cache entry is library JIT.
-        watch = LibraryJitWatch(
-            LibraryJitCounter(dirs.triton), abort=compile_config.on_cache_miss == "abort", source=entry.key
-        )
-        report.watches.append(GuardedWatch(watch))
+        report.library_jit = LibraryJitCounter(dirs.triton).new
+        report.library_jit_source = entry.key
     if entry is not None:
         report.baseline_step_s = baseline_step_time(entry.measured, config)
-        if report.baseline_step_s is not None:
-            report.watches.append(
-                throughput_watch(report.baseline_step_s, f"compile cache {entry.path}", config)
-            )
+        report.baseline_source = f"compile cache {entry.path}"
     if compile_config.fail_on_recompile:
         enter_steady_state()
     return report

@@ -44,9 +44,9 @@ class _Prompt:
 
 def run_local_datagen(config: RunConfig, console: Console | None = None) -> DatagenReport:
     """Regenerate `datagen.prompts` with `config.target` into `datagen.output_dir` (module docstring)."""
-    from app.train.setup import load_tokenizer  # heavy imports: after the cheap checks below
+    from app.model.loading import load_tokenizer  # heavy imports: after the cheap checks below
 
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)  # a log line is never cut at 80 columns
     datagen = config.datagen
     if datagen.top_p < 1:
         raise UserError("datagen.top_p: the local engine samples from the whole distribution; set it to 1")
@@ -84,10 +84,9 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
 def local_decoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]) -> Any:
     """The run's target and its batched decoder for `prompts` (`datagen.local_rows` rows, the longest
     prompt, `datagen.max_tokens`; on CUDA its step compiled, kernels in the run's inductor directory)."""
-    from app.evaluate.evaluator import stop_token_ids
     from app.model.decode import BatchDecoder, DecodeShape
+    from app.model.loading import pick_device, stop_token_ids
     from app.model.target import load_target
-    from app.train.setup import pick_device
 
     datagen = config.datagen
     device = pick_device(config.train.device)

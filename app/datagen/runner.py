@@ -127,7 +127,7 @@ class DatagenReport:
 
 def run_datagen(config: DatagenConfig, console: Console | None = None) -> DatagenReport:
     """Regenerate `config.prompts` into `config.output_dir`; see the module docstring."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)  # a log line is never cut at 80 columns
     prompts = load_prompts(config.prompts)
     show_skipped(console, prompts)
     if not prompts.records:

@@ -52,7 +52,7 @@ def run_demo(
 ) -> DemoResult:
     from app.export.hf_dflash import export_drafter
     from app.telemetry.plots import write_plots
-    from app.train.ranks import rank_telemetry
+    from app.telemetry.status_report import EXPORT_DIR
     from app.train.trainer import Trainer
 
     started = time.monotonic()
@@ -75,8 +75,7 @@ def run_demo(
 
     log("[3/5] tau of an untrained drafter (greedy speculative decoding on held-out prompts)")
     shutil.rmtree(config.train.output_dir, ignore_errors=True)  # the demo always trains from scratch
-    reporters, watches = rank_telemetry(config)
-    trainer = Trainer(config, log=log, reporters=reporters, watches=watches)
+    trainer = Trainer(config, log=log)
     before = trainer.evaluator(trainer.drafter)
     log(f"      tau before training: {_taus(before)}")
 
@@ -86,7 +85,7 @@ def run_demo(
     log("[5/5] tau after training, and export")
     after = trainer.evaluator(trainer.drafter)
     export_dir = export_drafter(
-        trainer.drafter, Path(config.train.output_dir) / "export", trainer.target.model.config
+        trainer.drafter, Path(config.train.output_dir) / EXPORT_DIR, trainer.target.model.config
     )
     run_dir = Path(config.train.output_dir)
     write_plots(run_dir)

@@ -107,7 +107,7 @@ RULES: tuple[_Rule, ...] = (
           "hybrid targets switch between fast Triton kernels and the slow reference path"),
     _Rule("fast_kernels.fla.version", _at("fast_kernels.fla.version"), True, "other linear-attention kernels"),
     _Rule("fast_kernels.causal_conv1d.present", _at("fast_kernels.causal_conv1d.present"), True,
-          "hybrid targets switch between the fused conv kernel and the slow reference path"),
+          "hybrid targets switch between causal-conv1d's fused conv and flash-linear-attention's Triton one"),
     _Rule("fast_kernels.causal_conv1d.version", _at("fast_kernels.causal_conv1d.version"), True,
           "another causal-conv1d build"),
     _Rule("installed_files.edited", _edited_files, True,

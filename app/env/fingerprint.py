@@ -37,8 +37,9 @@ SCHEMA_VERSION = 1
 FINGERPRINT_FILENAME = "fingerprint.json"
 REQUIRED_SECTIONS = ("python", "torch", "gpus", "lock", "packages")
 
-# Import name -> distribution name of the kernels Qwen3.5/3.6 hybrid targets need for their fast path;
-# without them transformers falls back to slow reference PyTorch code with a single warning.
+# Import name -> distribution name of the kernels Qwen3.5/3.6 hybrid targets run fast with: without
+# flash-linear-attention transformers falls back to slow reference PyTorch code with a single warning;
+# without causal-conv1d only the conv changes, to flash-linear-attention's Triton one.
 FAST_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
 
 

@@ -24,6 +24,7 @@ from app.evaluate.replay import evaluate_replay
 from app.evaluate.result import EvalResult
 from app.model.decode import DecodeShape, batch_decoder
 from app.model.drafter import DFlashDrafter
+from app.model.loading import stop_token_ids
 from app.model.target import TargetModel
 
 DECODE_ROWS = 128
@@ -147,14 +148,3 @@ def decoding(drafter: DFlashDrafter) -> Iterator[None]:
             yield
     finally:
         drafter.train(was_training)
-
-
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, target: TargetModel) -> list[int]:
-    """The tokenizer's end-of-sequence token and the target's generation-config ones."""
-    stops: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        stops.add(tokenizer.eos_token_id)
-    configured = getattr(target.model.generation_config, "eos_token_id", None)
-    if configured is not None:
-        stops.update([configured] if isinstance(configured, int) else configured)
-    return sorted(stops)

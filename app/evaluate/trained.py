@@ -21,8 +21,8 @@ from app.evaluate.predictability import describe_predictability
 from app.evaluate.prompts import prompts_from_dataset, prompts_from_file
 from app.evaluate.speculative import EvalResult
 from app.export import load_trained_drafter
+from app.model.loading import load_tokenizer, pick_device
 from app.model.target import load_target
-from app.train.setup import load_tokenizer, pick_device
 
 
 @dataclass

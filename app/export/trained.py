@@ -38,6 +38,8 @@ class TrainedExport:
     target_layer_ids: list[int]
     serving: list[str]
     """SGLang's and vLLM's command lines that serve the target with this drafter."""
+    config: RunConfig
+    """The run's config (its `storage` says where `--upload` puts the export)."""
 
     def describe(self) -> list[str]:
         return [
@@ -71,6 +73,7 @@ def export_trained(source: str | Path, out: str | Path, dtype: ExportDtype = "bf
         mask_token=json.loads((directory / CONFIG_FILE).read_text())["dflash_config"]["mask_token"],
         target_layer_ids=list(arch.target_layer_ids),
         serving=serving_commands(served, directory.resolve(), arch.block_size),
+        config=trained.config,
     )
 
 
@@ -78,7 +81,7 @@ def _target_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
     """The run's target tokenizer, as training loaded it (`target.tokenizer`, `target.path` or the
     built-in target's directory). Without it the export cannot name the mask token, and a config
     without `dflash_config.mask_token` is not written: the error names what is missing."""
-    from app.train.setup import load_tokenizer
+    from app.model.loading import load_tokenizer
 
     try:
         return load_tokenizer(config)

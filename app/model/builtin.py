@@ -1,5 +1,5 @@
 """Where a built-in target (`target.builtin`) lives on this machine: the one place that knows, for the
-loader (app.model.target), the tokenizer (app.train.setup) and anything else that needs its directory.
+loader (app.model.target), the tokenizer (app.model.loading) and anything else that needs its directory.
 
 Every built-in target is built or converted once per machine into a keyed directory under the cache
 root and then loads like any `target.path`. Only the first use is slow; it reports on `progress`.

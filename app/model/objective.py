@@ -69,13 +69,6 @@ class LossOutput:
     """With a `TreeSample`: (sum over the sampled blocks of the leading slots on a path of the tree,
     blocks sampled), 0-d float each; None otherwise."""
 
-    def totals(self) -> torch.Tensor:
-        """`[6]` float32 on the device, what a step sums over its real micro-batches (the order of
-        `app.pipeline.counters.STEP_FIELDS`): loss, acc, streak, 1, tree-streak slots, tree blocks."""
-        one = torch.ones((), device=self.loss.device)
-        tree = self.tree_streak or (one * 0, one * 0)
-        return torch.stack([self.loss.detach().float(), self.acc.float(), self.streak.float(), one, *tree])
-
 
 @dataclass(frozen=True)
 class TreeSample:

@@ -1,9 +1,5 @@
-"""What the log line needs from every drafter rank, gathered once per log line (not per step).
-
-Each drafter rank keeps, per optimizer step, the sums of its micro-batches' loss, accuracy and
-streak over real batches and the number of real batches (`StepTotals`), plus its pipeline counters.
-On log steps the drafter group all-gathers them on the host (gloo): per-step metrics over every
-real batch of the step, and the counters per rank, so the line's totals agree with the ranks'.
+"""The pipeline's counters the log line shows: each drafter rank's feed counters (gathered with its
+step sums once per log line, `app.train.metrics`) and what the target ranks did.
 """
 
 from __future__ import annotations
@@ -11,13 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from app.pipeline.distributed import Runtime
-
-STEP_FIELDS = ("loss", "acc", "streak", "real", "tree_accepted", "tree_blocks")
-"""Per-step sums over a rank's micro-batches: loss x real, acc x real, streak x real, real batches,
-and on the steps that measure it the tree streak's accepted slots and sampled blocks."""
 
 
 @dataclass
@@ -49,61 +40,6 @@ class RankCounters:
 
 
 @dataclass
-class GatheredWindow:
-    """A log window's metrics over every drafter rank."""
-
-    step_totals: torch.Tensor
-    """`[steps, len(STEP_FIELDS)]` float32 sums over all ranks."""
-    counters: list[RankCounters]
-    """Per drafter rank, in drafter order."""
-
-    @property
-    def step_losses(self) -> list[float]:
-        totals = self.step_totals
-        return (totals[:, 0] / totals[:, 3].clamp_min(1)).tolist()
-
-    def mean(self, field: str, per: str = "real") -> float:
-        """Mean of `field` over every real batch of the window (or every unit of another field)."""
-        column = self.step_totals[:, STEP_FIELDS.index(field)]
-        return float(column.sum() / self.step_totals[:, STEP_FIELDS.index(per)].sum().clamp_min(1))
-
-    def tree_streak(self) -> float | None:
-        """The window's tree streak per sampled block; None when no step of it measured one."""
-        blocks = float(self.step_totals[:, STEP_FIELDS.index("tree_blocks")].sum())
-        return self.mean("tree_accepted", per="tree_blocks") if blocks else None
-
-
-def gather_window(runtime: Runtime | None, step_totals: torch.Tensor, mine: RankCounters) -> GatheredWindow:
-    """Sum the window's per-step totals over the drafter group and collect every rank's counters.
-
-    Collective over `drafter_control`: every drafter rank calls it on the same steps (they are in
-    lockstep), with the same number of steps. One process: no communication.
-    """
-    step_totals = step_totals.detach().float().cpu()
-    if runtime is None or runtime.drafter_control is None or runtime.layout.num_drafters == 1:
-        return GatheredWindow(step_totals, [mine])
-    steps = step_totals.shape[0]
-    packed = torch.cat([step_totals.double().flatten(), mine.as_tensor()])
-    gathered = [torch.empty_like(packed) for _ in range(runtime.layout.num_drafters)]
-    dist.all_gather(gathered, packed, group=runtime.drafter_control)
-    width = len(STEP_FIELDS)
-    totals = torch.stack([g[: steps * width].view(steps, width) for g in gathered]).sum(dim=0).float()
-    counters = [RankCounters.from_tensor(g[steps * width :]) for g in gathered]
-    return GatheredWindow(totals, counters)
-
-
-@dataclass
-class Window:
-    """Totals over ranks at the previous log line; the line's rates are over the window since then."""
-
-    started: float
-    step: int
-    drafter_batches: int
-    real_tokens: int
-    target_batches: int
-
-
-@dataclass
 class TargetView:
     """Per target: batches produced so far, and batches prepared ahead (`q_pre`)."""
 
@@ -119,11 +55,10 @@ class TargetView:
         return sum(self.counts)
 
 
-def target_view(runtime: Runtime | None, gathered: GatheredWindow | None, reader: bool) -> TargetView:
+def target_view(runtime: Runtime | None, counters: list[RankCounters], reader: bool) -> TargetView:
     """What the targets did. Split: batches per target as the drafters received them (exact), and
     `q_pre` as the target ranks last reported through the side channel (read by the logging rank,
     `reader`, only). Colocated: each rank counts its own target's batches."""
-    counters = gathered.counters if gathered is not None else []
     if runtime is not None and not runtime.layout.colocated:
         targets = runtime.layout.num_targets
         counts = [sum(c.from_targets[t] for c in counters) for t in range(targets)]

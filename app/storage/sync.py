@@ -16,7 +16,7 @@ from app.atomic import write_json_atomic
 from app.checkpoint.store import MANIFEST
 from app.config.schema import StorageConfig
 from app.paths import STORAGE_STATE_FILE
-from app.storage.remote import EXPORTS, RemoteRun
+from app.storage.remote import RemoteRun
 from app.storage.s3 import StorageError, describe_error, make_client, parse_s3_uri
 from app.telemetry.guard import warn
 from app.telemetry.reporter import RunStart
@@ -44,7 +44,7 @@ def upload_export(storage: StorageConfig, export_dir: Path) -> None:
 
 
 class S3Sync:
-    """A reporter that mirrors checkpoints and run files (and exports handed to it) to S3."""
+    """A reporter that mirrors checkpoints and run files to S3."""
 
     def __init__(self, storage: StorageConfig, keep_last: int) -> None:
         assert storage.s3_uri is not None, "S3Sync needs storage.s3_uri"
@@ -58,7 +58,6 @@ class S3Sync:
         self._idle = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending_checkpoint: Path | None = None
-        self._pending_exports: dict[str, Path] = {}
         self._closing = False
         self._synced: dict[str, Any] | None = None
         self._last_error: str | None = None
@@ -99,12 +98,6 @@ class S3Sync:
 
     # ---- for callers --------------------------------------------------------------------------------
 
-    def sync_export(self, export_dir: Path) -> None:
-        """Queue an export directory for `exports/<its name>/` (sent with the next round)."""
-        with self._lock:
-            self._pending_exports[export_dir.name] = export_dir
-        self._wake.set()
-
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until a round has ended with nothing left to upload; False on timeout."""
         return self._idle.wait(timeout_s)
@@ -116,7 +109,7 @@ class S3Sync:
             return {
                 "s3_uri": str(self.location),
                 "synced_checkpoint": self._synced,
-                "pending": pending + [f"{EXPORTS}/{name}" for name in self._pending_exports],
+                "pending": pending,
                 "last_error": self._last_error,
                 "failed_rounds": self._failed_rounds,
             }
@@ -135,7 +128,7 @@ class S3Sync:
                 closing = self._closing  # read before the round
             ok = self._round(closing)
             with self._lock:
-                done = ok and self._pending_checkpoint is None and not self._pending_exports
+                done = ok and self._pending_checkpoint is None
             if done:
                 self._idle.set()
                 if closing:
@@ -143,17 +136,12 @@ class S3Sync:
 
     def _round(self, closing: bool) -> bool:
         with self._lock:
-            checkpoint, exports = self._pending_checkpoint, dict(self._pending_exports)
+            checkpoint = self._pending_checkpoint
         try:
             if self._remote is None:
                 self._remote = open_remote(self.storage)
             if checkpoint is not None:
                 self._sync_checkpoint(self._remote, checkpoint)
-            for name, directory in exports.items():
-                self._remote.upload_export(directory)
-                with self._lock:
-                    if self._pending_exports.get(name) == directory:
-                        del self._pending_exports[name]
             self._write_state()  # before the run files go: the remote copy says what it holds
             assert self.run_dir is not None
             self._remote.upload_run_files(self.run_dir)

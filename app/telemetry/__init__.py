@@ -1,8 +1,9 @@
 """What a run reports: the log line, metrics.jsonl, status.json, wandb, health watches.
 
-`build_telemetry(config)` returns the reporters and health watches a trainer takes; every one of them
-is wrapped so that its failure is a warning, never a crashed or stalled run. The S3 sync is a reporter
-too (app.storage); `app.train.ranks.rank_telemetry` adds it, the one place a run's telemetry is built.
+`build_telemetry(config)` returns telemetry's reporters and health watches; every one of them is
+wrapped so that its failure is a warning, never a crashed or stalled run. A run's whole list (with
+metrics.jsonl and the S3 sync of app.storage) is put together in one place,
+`app.train.reporting.run_telemetry`.
 """
 
 from __future__ import annotations

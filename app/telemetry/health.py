@@ -8,7 +8,7 @@ now, for status.json. Events appear in the log line, status.json and wandb.
 - throughput: steady-state speed below the baseline by more than `compile.slow_step_threshold`;
 - queues: `q_pre` / `q_hs` stuck empty or full for a window (a starved or blocked pipeline stage);
 - compile: recompiles and compile-cache misses after warm-up (counters from torch._dynamo or the caller);
-- library JIT: Triton kernels compiled or autotuned after warm-up (`app.compile.library_jit`);
+- library JIT: Triton kernels compiled or autotuned after warm-up (`app.telemetry.compile_watches`);
 - external: events posted by other components (the compile-cache loader, a data loader).
 A non-finite loss is not a watch: the trainer stops with `NonFiniteLoss`, which becomes the exit reason.
 """
@@ -80,9 +80,9 @@ class ThroughputWatch:
     """Speed below baseline / (1 + slow_threshold) in a log window is an event (one per dip: it is
     reported again only after a window back on speed).
 
-    A window's speed is judged over its training time: the seconds the trainer paused in it for an
-    eval or a checkpoint's host copy (`paused_s` of `window_s`) are taken out, so those do not read as
-    a dip, and a single slow window of a run whose mean looks fine still is one.
+    A record's rates are over its window's training time already (`app.train.metrics` leaves out the
+    `paused_s` of an eval or a checkpoint's host copy), so a pause does not read as a dip, and a single
+    slow window of a run whose mean looks fine still is one.
     """
 
     def __init__(
@@ -101,9 +101,6 @@ class ThroughputWatch:
         ratio = self.baseline.speed_ratio(record)
         if ratio is None:
             return []
-        window_s, paused_s = record.get("window_s"), record.get("paused_s") or 0.0
-        if window_s and 0 < paused_s < window_s:
-            ratio *= window_s / (window_s - paused_s)
         if ratio >= 1 / (1 + self.slow_threshold):
             self.slow_lines, self.active = 0, None
             return []

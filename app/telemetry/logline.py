@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from app.config import RunConfig
 
 
+SHOWN_PAUSE_S = 1.0
+"""A shorter pause (a checkpoint's host copy, typically) is left unsaid: it would only add noise."""
+
+
 @dataclass
 class LogLine:
     """Everything one log line shows; rates are over the window since the previous line."""
@@ -56,6 +60,9 @@ class LogLine:
     tree_streak: float | None = None
     """Mean leading slots on a path of the DDTree tree, over the blocks sampled on this line's step
     (`telemetry.tree_streak_blocks`); None when not measured."""
+    paused_s: float = 0.0
+    """Seconds of the window spent not training (an eval, a checkpoint's host copy); the rates, mfu
+    and ETA leave them out. Shown from `SHOWN_PAUSE_S` on."""
 
     def render(self) -> str:
         eta = format_duration(self.eta_s) if self.eta_s is not None else "?"
@@ -75,6 +82,8 @@ class LogLine:
         ) + f" ({self.tokens_per_s / 1000:.1f}Ktok/s)"
         if self.mfu is not None:
             rates += f" mfu={100 * self.mfu:.1f}%"
+        if self.paused_s >= SHOWN_PAUSE_S:
+            rates += f" paused={format_duration(self.paused_s)}"
         parts = [head, rates]
         if not self.colocated:
             parts.append(f"q_pre={self.q_pre} q_hs={self.q_hs}")
@@ -98,7 +107,8 @@ def legend(config: RunConfig, device: torch.device, peak: Peak | None, *, coloca
             f"waiting at each drafter rank (at most topology.feature_queue = {topology.feature_queue}; "
             "empty: the drafters starve, full: the targets wait on them)"
         )
-    return f"log line: {rates}; {describe_peak(peak, device, config.train.precision)}"
+    paused = "paused = time in an eval or a checkpoint's copy, left out of the rates, mfu and ETA"
+    return f"log line: {rates}; {paused}; {describe_peak(peak, device, config.train.precision)}"
 
 
 def format_duration(seconds: float) -> str:

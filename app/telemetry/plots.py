@@ -99,7 +99,11 @@ def metric_figures(run_dir: Path) -> dict[str, Any]:
             [r["eval"].get("tree_tau") for r in evals],
             [r["step"] for r in evals],
         ),
-        "tokens_per_s": ("throughput (tokens/s)", [r.get("tokens_per_s") for r in train], steps),
+        "tokens_per_s": (
+            "throughput (tokens/s of training time: evals and saves left out)",
+            [r.get("tokens_per_s") for r in train],
+            steps,
+        ),
     }
     figures = {}
     for name, (title, values, xs) in series.items():

@@ -365,6 +365,10 @@ HEALTH_ADVICE = (
 """(marker of a health event, what to do about it) for the next steps of `dflash status`."""
 
 
+EXPORT_DIR = "export"
+"""Where the next steps suggest exporting a finished run, and where the demo exports its drafter."""
+
+
 def next_steps(
     run_dir: Path, status: dict[str, Any], comparison: Comparison | None, stale_s: float | None
 ) -> list[str]:
@@ -402,9 +406,13 @@ def next_steps(
         )
     steps += [advice for marker, advice in HEALTH_ADVICE if marker in messages]
     if not steps and state == "completed":
-        steps.append(
-            f"export the drafter: `dflash export {run_dir} --out {run_dir / 'export'}`; measure tau: `dflash eval {run_dir}`"
-        )
+        export = run_dir / EXPORT_DIR
+        if _exported_after(export, checkpoint):
+            steps.append(f"serve the drafter exported in {export}; measure tau: `dflash eval {run_dir}`")
+        else:
+            steps.append(
+                f"export the drafter: `dflash export {run_dir} --out {export}`; measure tau: `dflash eval {run_dir}`"
+            )
     if not steps and state == "running":
         eta = status.get("progress", {}).get("eta_s")
         steps.append(
@@ -420,6 +428,16 @@ def _reference(comparison: Comparison, possessive: bool = False) -> str:
     if comparison.own_run:
         return "this run's last good start"
     return "the last good run's" if possessive else f"the last good run {comparison.against}"
+
+
+def _exported_after(export: Path, checkpoint: dict[str, Any] | None) -> bool:
+    """Whether `export` holds weights written after the run's last checkpoint (the demo exports there
+    itself; an export of an earlier checkpoint is stale)."""
+    weights = export / "model.safetensors"
+    if not weights.is_file():
+        return False
+    last = Path(checkpoint["path"]) if checkpoint else None
+    return last is None or not last.exists() or weights.stat().st_mtime >= last.stat().st_mtime
 
 
 def _stale_seconds(status: dict[str, Any]) -> float | None:

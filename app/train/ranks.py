@@ -15,25 +15,14 @@ from app.config import RunConfig
 from app.data.batching import BatchPlanner
 from app.data.tokenize import pad_token_id
 from app.env.guard import check_environment
+from app.model.loading import load_tokenizer
 from app.pipeline.distributed import Runtime
 from app.pipeline.target_worker import TargetWorker
-from app.telemetry import GuardedReporter, HealthWatch, Reporter, build_telemetry
 from app.train.resume import precheck_resume
-from app.train.setup import load_run_data, load_tokenizer, require_fast_kernels
+from app.train.setup import load_run_data, require_fast_kernels
 from app.train.trainer import Trainer, TrainResult
 
 Log = Callable[[str], None]
-
-
-def rank_telemetry(config: RunConfig, *, is_logger: bool = True) -> tuple[list[Reporter], list[HealthWatch]]:
-    """The reporters and health watches of a drafter rank: telemetry's, plus the S3 sync on the
-    logging rank when `storage.s3_uri` is set (each reporter guarded: a failure is a warning)."""
-    reporters, watches = build_telemetry(config, rank_is_logger=is_logger)
-    if is_logger and config.storage.s3_uri is not None:
-        from app.storage.sync import S3Sync  # boto3 and the checkpoint store load only when S3 is used
-
-        reporters.append(GuardedReporter(S3Sync(config.storage, config.train.keep_last)))
-    return reporters, watches
 
 
 def run_drafter_rank(config: RunConfig, runtime: Runtime | None, resume: bool, log: Log) -> TrainResult:
@@ -41,12 +30,9 @@ def run_drafter_rank(config: RunConfig, runtime: Runtime | None, resume: bool, l
     is_logger = runtime is None or runtime.layout.is_logger
     if resume and is_logger:
         precheck_resume(config)  # before the data and the target load, not minutes later
-    reporters, watches = rank_telemetry(config, is_logger=is_logger)
     # the logging rank creates the run directory (the others never touch it)
     with removed_if_left_empty(config.train.output_dir) if is_logger else contextlib.nullcontext():
-        trainer = Trainer(
-            config, resume=resume, log=log, runtime=runtime, reporters=reporters, watches=watches
-        )
+        trainer = Trainer(config, resume=resume, log=log, runtime=runtime)
     return trainer.run()
 
 

@@ -1,13 +1,13 @@
-"""What a run starts from, before any model exists: the device, the target's tokenizer, the
-tokenized data (once per node under torchrun) and the training signal a resume must keep.
+"""What a run starts from, before any model exists: the tokenized data (once per node under
+torchrun), the fast-kernel check and the training signal a resume must keep (the device and the
+tokenizer: `app.model.loading`).
 
-Light on purpose: `dflash eval` and target ranks need these without the trainer's imports.
+Light on purpose: target ranks need these without the trainer's imports.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,45 +20,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from app.pipeline.distributed import Runtime
-
-
-def pick_device(choice: str) -> torch.device:
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device: cuda requested but no CUDA device is visible")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
-
-
-def tokenizer_dir(config: RunConfig) -> Path:
-    """The target tokenizer's directory: `target.tokenizer`, else the target's own. A `target.path` that
-    is not here is refused first, also beside a `target.tokenizer`: before any data is tokenized."""
-    from app.model.target import local_directory
-
-    target = config.target
-    if target.path is not None:
-        local_directory(target.path, "target.path", "a local Hugging Face model directory")
-    if target.tokenizer is not None:
-        return local_directory(target.tokenizer, "target.tokenizer", "a local tokenizer directory")
-    if target.path is not None:
-        return Path(target.path)
-    if target.builtin is not None:
-        from app.model.builtin import builtin_target_dir
-
-        return builtin_target_dir(target.builtin)
-    raise UserError(
-        "target.tokenizer: required with target.architecture (a random-weight target has no tokenizer)"
-    )
-
-
-def load_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    directory = tokenizer_dir(config)
-    try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise UserError(f"{directory}: cannot load a tokenizer ({str(error).splitlines()[0]})") from None
 
 
 def load_run_data(

@@ -9,6 +9,7 @@ over the micro-batches, each loss divided by their number, and `apply` clips, st
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +22,8 @@ from app.config.schema import TrainConfig
 from app.data.batch import FeatureBatch
 from app.model.drafter import DFlashDrafter
 from app.model.objective import LossOutput, TreeSample, drafter_loss, training_autocast
+from app.pipeline.distributed import Runtime
+from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_group
 
 
 class FrozenHeads(Protocol):
@@ -57,7 +60,7 @@ class DrafterStep:
         self.train = config.train
         self.drafter = drafter
         self.model: nn.Module = drafter
-        """What the forward calls: the drafter, or its DDP wrapper once the drafter group exists."""
+        """What the forward calls: the drafter, or its DDP wrapper once `replicate` joined the group."""
         self.heads = heads
         self.device = torch.device(device)
         self.optimizer = build_optimizer(drafter, config.train, self.device)
@@ -65,6 +68,21 @@ class DrafterStep:
         """False (on the device) from the first step whose loss or gradient norm was not finite on:
         from then on no optimizer step changes the weights, so the run stops (at its next look) with
         the state of the last good step, never with a non-finite one applied."""
+
+    def replicate(self, runtime: Runtime, resumed: bool) -> None:
+        """Train as one of the drafter group from here on: DDP over it (drafter rank 0's weights, and
+        after a resume its optimizer state, broadcast to every drafter rank)."""
+        self.model = wrap_for_drafter_group(self.drafter, runtime)
+        if resumed:
+            broadcast_optimizer_state(self.optimizer, runtime)
+
+    @property
+    def replicated(self) -> bool:
+        return self.model is not self.drafter
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager[None]:
+        """Around a micro-batch's forward and backward: with DDP only the `last` one all-reduces."""
+        return self.model.no_sync() if self.replicated and not last else contextlib.nullcontext()  # type: ignore[operator]
 
     def loss(
         self,

@@ -17,10 +17,7 @@ for any topology.
 from __future__ import annotations
 
 import functools
-import math
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,36 +33,30 @@ from app.data.batching import BatchPlanner, DataCursor, plan_stats
 from app.data.tokenize import pad_token_id
 from app.env.guard import ALLOW_SETTING, check_environment
 from app.env.record import append_start
-from app.errors import JobFailed, UserError
+from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
 from app.model.flops import forward_flops, step_flops
+from app.model.loading import load_tokenizer, pick_device
 from app.model.objective import TreeSample, feature_noise_std, noise_generator
 from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
-from app.pipeline.assignment import Round, RoundPlanner
+from app.pipeline.assignment import RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
-from app.pipeline.counters import (
-    STEP_FIELDS,
-    GatheredWindow,
-    RankCounters,
-    Window,
-    gather_window,
-    target_view,
-)
 from app.pipeline.distributed import Runtime
 from app.pipeline.remote import RemoteFeatureSource
-from app.pipeline.replicas import broadcast_optimizer_state, wrap_for_drafter_group
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
 from app.pipeline.transport import receive_heads
-from app.telemetry.hardware import device_memory_gb, reference_peak, utilization
-from app.telemetry.logline import LogLine, legend
-from app.telemetry.reporter import HealthWatch, MetricsFile, Reporter, RunStart
-from app.telemetry.session import Telemetry
+from app.telemetry.compile_watches import compile_watches
+from app.telemetry.hardware import reference_peak
+from app.telemetry.logline import legend
+from app.telemetry.reporter import HealthWatch, Reporter, RunStart
+from app.train.metrics import StepOutput, StepSums, TrainingMetrics
+from app.train.reporting import run_telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
-from app.train.setup import load_run_data, load_tokenizer, pick_device, require_fast_kernels, training_signal
+from app.train.setup import load_run_data, require_fast_kernels, training_signal
 from app.train.signals import StopRequest
 from app.train.step import BorrowedHeads, DrafterStep
 
@@ -79,32 +70,6 @@ class TrainingStopped(Exception):
         super().__init__(f"stopped by signal at step {step}; checkpoint {checkpoint}; resume with --resume")
         self.step = step
         self.checkpoint = checkpoint
-
-
-class NonFiniteLoss(JobFailed):
-    """The loss became NaN/inf: the run stops, naming the step and the batches that did it."""
-
-    def __init__(self, step: int, round_: Round) -> None:
-        samples = [sample for batch in round_.real for sample in batch.sample_ids]
-        indices = [batch.index for batch in round_.real]
-        super().__init__(
-            f"non-finite loss at step {step} (epoch {round_.epoch}, batch{'es' if len(indices) > 1 else ''} "
-            f"{', '.join(map(str, indices))}, samples {samples[:8]}{'...' if len(samples) > 8 else ''}); "
-            f"resume from the last checkpoint with a lower train.lr or inspect those samples"
-        )
-
-
-@dataclass
-class StepOutput:
-    """One optimizer step's metrics, still on the device (read them on log steps only)."""
-
-    totals: torch.Tensor
-    """This rank's sums over real micro-batches of `app.pipeline.counters.STEP_FIELDS`."""
-    noise: float
-    grad_norm: torch.Tensor
-    round: Round
-    flops: torch.Tensor
-    """Useful FLOPs of this rank's real micro-batches (`app.model.flops`), on the device."""
 
 
 @dataclass
@@ -121,7 +86,9 @@ class TrainResult:
 
 
 class Trainer:
-    """The drafter's training loop on one rank (alone: target and drafter colocated in this process)."""
+    """The drafter's training loop on one rank (alone: target and drafter colocated in this process).
+
+    It reports what its config says (`app.train.reporting`); `reporters` and `watches` join those."""
 
     def __init__(
         self,
@@ -137,8 +104,8 @@ class Trainer:
         self.runtime = runtime
         self.is_logger = runtime is None or runtime.layout.is_logger
         self.log = log
-        self.telemetry = Telemetry(
-            [MetricsFile(), *(reporters or [])] if self.is_logger else [], watches or [], log
+        self.telemetry = run_telemetry(
+            config, log, is_logger=self.is_logger, reporters=reporters or [], watches=watches or []
         )
         self.run_dir = Path(config.train.output_dir)
         if self.is_logger:
@@ -189,15 +156,16 @@ class Trainer:
         self.resumed = resumed
         # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
         self.compile_report = prepare_compiled_training(config, self.drafter_step, log, self.target)
-        self.telemetry.watch(self.compile_report.health_watches())
+        self.telemetry.watch(compile_watches(self.compile_report, config))
         if runtime is not None and runtime.layout.num_drafters > 1:
-            # broadcasts rank 0's weights
-            self.drafter_step.model = wrap_for_drafter_group(self.drafter, runtime)
-            if resumed:
-                broadcast_optimizer_state(self.optimizer, runtime)
+            self.drafter_step.replicate(runtime, resumed)
         self.stop_request = StopRequest(self._note)
         self.peak = reference_peak(config.telemetry.peak_tflops, self.device, config.train.precision)
-        self._paused_s = 0.0
+        self.metrics = TrainingMetrics(
+            self.telemetry, runtime=runtime, planner=self.planner, total_steps=self.total_steps,
+            device=self.device, peak=self.peak, noise=config.train.feature_noise_std > 0,
+            colocated=self.target is not None,
+        )  # fmt: skip
 
     def _target_side(self, split: bool) -> tuple[TargetModel | None, BorrowedHeads, DrafterArch, list[int]]:
         """The target (None on a split drafter rank, which receives only the heads from target 0), the
@@ -223,18 +191,17 @@ class Trainer:
         """
         step, train = self.drafter_step, self.config.train
         noise_std = feature_noise_std(train, self.step)
-        distributed = step.model is not self.drafter
+        distributed = step.replicated
         micro = batches.micro
-        sums = torch.zeros(len(STEP_FIELDS), device=self.device)
+        sums = StepSums.zeros(self.device)
         tree = self._tree_sample if (self.step + 1) % self.config.telemetry.log_every == 0 else None
         flops = torch.zeros((), dtype=torch.int64, device=self.device)
         for number, item in enumerate(micro):
             if item.planned is None and not distributed:
                 continue
             last = number == len(micro) - 1
-            no_sync = step.model.no_sync() if distributed and not last else nullcontext()  # type: ignore[operator]
             position = number * self.rounds.drafters + self._drafter_index
-            with no_sync:  # DDP: forward and backward both inside, so only the last micro-batch all-reduces
+            with step.accumulating(last):  # forward and backward both inside
                 out = step.backward(
                     item.features,
                     micro_batches=len(micro),
@@ -245,9 +212,9 @@ class Trainer:
                     tree_sample=tree if last and item.planned is not None else None,
                 )
             if item.planned is not None:
-                sums += out.totals()
+                sums.add(out)
                 flops += step_flops(forward_flops(self.drafter.arch, item.features.row))
-        grad_norm = step.apply(learning_rate(self.step, self.total_steps, train), loss=sums[0])
+        grad_norm = step.apply(learning_rate(self.step, self.total_steps, train), loss=sums.loss)
         self.step += 1
         return StepOutput(sums, float(noise_std), grad_norm.detach(), batches.round, flops)
 
@@ -281,41 +248,36 @@ class Trainer:
             )
 
     def run(self) -> TrainResult:
-        config, train = self.config, self.config.train
+        train, metrics = self.config.train, self.metrics
         if self.is_logger:
             self._write_run_files()
         source = self._feature_source()
         self._announce_start()
         losses: list[float] = []
         evals: list[dict[str, Any]] = []
-        window = Window(time.monotonic(), self.step, 0, 0, 0)  # this process's counters start at 0
-        pending: list[StepOutput] = []
-        started = time.monotonic()
+        metrics.start(self.step)
         checkpoint = self.run_dir
         self.stop_request.install()
         exit_reason = "completed"
         try:
             for batches in source.steps(self.cursor, train.epochs, self.total_steps - self.step):
-                pending.append(self.train_step(batches))
+                metrics.add(self.train_step(batches))
                 self.cursor = batches.next_cursor
-                if self.step % config.telemetry.log_every == 0 or self.step == self.total_steps:
-                    logged, window = self._log(pending, window, source, started)
-                    losses += logged
-                    pending = []
+                if self.step % self.config.telemetry.log_every == 0 or self.step == self.total_steps:
+                    losses += self._log(source)
                 if self._eval_due():
-                    with self._paused():
+                    with metrics.paused():
                         evals.append(self.evaluate())
                 stop = self.stop_request.agreed(self.runtime)
                 if self.step % train.save_every == 0 or stop:
-                    self._refuse_non_finite(pending)  # no non-finite state is ever checkpointed
-                    with self._paused():
+                    metrics.refuse_non_finite(self.step)  # no non-finite state is ever checkpointed
+                    with metrics.paused():
                         checkpoint = self.save()
                 self._report_checkpoints(self.checkpoints.completed(block=stop))
                 if stop:
                     exit_reason = "stopped"
                     raise TrainingStopped(self.step, checkpoint)
-            if pending:
-                losses += self._log(pending, window, source, started)[0]
+            losses += self._log(source)  # the steps since the last line, if the data ran out first
             checkpoint = self.save()
             self._report_checkpoints(self.checkpoints.completed(block=True))
         except TrainingStopped:
@@ -330,8 +292,12 @@ class Trainer:
             self.stop_request.restore()
             self._settle_checkpoints()
             self._finish(exit_reason)
-        self._note(f"done: {self.step} steps in {time.monotonic() - started:.0f}s; checkpoint {checkpoint}")
+        self._note(f"done: {self.step} steps in {metrics.elapsed_s:.0f}s; checkpoint {checkpoint}")
         return TrainResult(self.run_dir, self.step, checkpoint, losses, evals)
+
+    def _log(self, source: FeatureSource) -> list[float]:
+        lr = self.optimizer.param_groups[0]["lr"]
+        return self.metrics.log(self.step, self.cursor, source.stats, lr)
 
     def _eval_due(self) -> bool:
         """Periodic eval runs on the logging rank when it holds the target (the others wait at the next step)."""
@@ -366,110 +332,6 @@ class Trainer:
         if self.runtime is not None and self.is_logger and not exit_reason.startswith("failed"):
             self.runtime.side.publish_finished(exit_reason, self.step)  # target ranks stop waiting
         self.telemetry.on_exit(exit_reason, self.step)
-
-    def _log(
-        self, pending: list[StepOutput], window: Window, source: FeatureSource, started: float
-    ) -> tuple[list[float], Window]:
-        """Gather the window's metrics over the drafter ranks (one host sync per log line, not per step),
-        print the line on the logging rank, and return the per-step losses and the next window."""
-        gathered = self._gather(pending, window, source)
-        losses = gathered.step_losses
-        now = time.monotonic()
-        targets = target_view(self.runtime, gathered, reader=self.is_logger)
-        following = Window(
-            now,
-            self.step,
-            sum(c.drafter_batches for c in gathered.counters),
-            sum(c.real_tokens for c in gathered.counters),
-            targets.total,
-        )
-        if not self.is_logger:
-            return losses, following
-        seconds = max(now - window.started, 1e-9)
-        steps = self.step - window.step
-        flops = float(torch.stack([out.flops for out in pending]).sum())
-        line = LogLine(
-            elapsed_s=now - started,
-            step=self.step,
-            total_steps=self.total_steps,
-            loss=sum(losses) / len(losses),
-            acc=gathered.mean("acc"),
-            streak=gathered.mean("streak"),
-            tree_streak=gathered.tree_streak(),
-            lr=self.optimizer.param_groups[0]["lr"],
-            noise=pending[-1].noise if self.config.train.feature_noise_std > 0 else None,
-            target_batches_per_s=(following.target_batches - window.target_batches) / seconds,
-            drafter_batches_per_s=(following.drafter_batches - window.drafter_batches) / seconds,
-            tokens_per_s=(following.real_tokens - window.real_tokens) / seconds,
-            q_pre=targets.q_pre,
-            q_hs=[c.q_hs for c in gathered.counters],
-            epoch_progress=self._epoch_progress(),
-            eta_s=(self.total_steps - self.step) * seconds / max(1, steps),
-            memory_gb=device_memory_gb(self.device),
-            mfu=utilization(flops, seconds, self.peak),
-            colocated=self.target is not None,
-        )
-        details = {
-            "window_s": seconds,
-            "tflops_per_s": flops / seconds / 1e12,
-            "paused_s": self._paused_s,
-            "step_losses": losses,
-            "grad_norm": torch.stack([out.grad_norm.float() for out in pending]).mean().item(),
-            "drafter_batch_counts": [c.drafter_batches for c in gathered.counters],
-            "target_batch_counts": targets.counts,
-            "feature_wait_s": [c.wait_ms / 1000 for c in gathered.counters],
-            "target_forward_s": targets.forward_s,
-            "target_library_jit": targets.library_jit,
-        }
-        self.telemetry.on_window(line, details)
-        self._paused_s = 0.0
-        return losses, following
-
-    @contextmanager
-    def _paused(self) -> Iterator[None]:
-        """Time spent not training (an eval, a checkpoint's host copy): the throughput guard judges a
-        log window over its training time only."""
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            self._paused_s += time.monotonic() - started
-
-    def _gather(self, pending: list[StepOutput], window: Window, source: FeatureSource) -> GatheredWindow:
-        """Every drafter rank's step metrics and feed counters of the window; a non-finite loss stops here."""
-        stats = source.stats
-        mine = RankCounters(
-            stats.drafter_batches,
-            stats.real_tokens,
-            stats.target_batches,
-            sum(stats.q_hs),
-            round(stats.wait_seconds * 1000),
-            stats.from_targets,
-        )
-        gathered = gather_window(self.runtime, torch.stack([out.totals for out in pending]), mine)
-        for offset, loss in enumerate(gathered.step_losses):
-            if not math.isfinite(loss):
-                raise NonFiniteLoss(window.step + offset + 1, pending[offset].round)
-        self._refuse_non_finite(pending)  # the gradient norms: all-reduced, so alike on every drafter rank
-        return gathered
-
-    def _refuse_non_finite(self, pending: list[StepOutput]) -> None:
-        """Stop at the first of the steps not yet checked whose loss or gradient norm is not finite. It
-        reads them from the device: only where the loop synchronises anyway (a log line, a save)."""
-        if not pending:
-            return
-        losses = torch.stack([out.totals[0] for out in pending])
-        norms = torch.stack([out.grad_norm.float() for out in pending])
-        first_step = self.step - len(pending) + 1
-        for offset, finite in enumerate((torch.isfinite(losses) & torch.isfinite(norms)).tolist()):
-            if not finite:
-                raise NonFiniteLoss(first_step + offset, pending[offset].round)
-
-    def _epoch_progress(self) -> float:
-        epoch, batch = self.cursor.epoch, self.cursor.batch
-        if batch == 0:
-            return float(epoch)  # at an epoch boundary (the next epoch's plan may not even exist)
-        return epoch + batch / max(1, len(self.planner.plan(epoch)))
 
     # ---- eval -------------------------------------------------------------------------------------
 
