@@ -265,7 +265,10 @@ def _variants(
 @group.command("decode")
 def decode(
     config: Annotated[
-        str, typer.Argument(help="Config file with datagen.prompts (e.g. configs/smollm2-quality.toml).")
+        str,
+        typer.Argument(
+            help=f"Run config ({CONFIG_FORMS}) with datagen.prompts, e.g. configs/smollm2-quality.toml."
+        ),
     ],
     overrides: Overrides = None,
     count: Annotated[
@@ -275,8 +278,10 @@ def decode(
         int, typer.Option("--profile-steps", min=0, help="Then profile this many decode steps (0: none).")
     ] = 20,
 ) -> None:
-    """The local engine's decoder at the config's datagen shape on its prompts: answer tokens/s, how full
-    the rows were, a step's time and its most expensive kernels."""
+    """The local datagen engine's decoder on the config's prompts: tokens/s, row fill, step time, kernels.
+
+    It decodes the first `--count` prompts of datagen.prompts at the config's datagen shape, then
+    profiles `--profile-steps` decode steps."""
     from app.bench.decode import run_decode_bench  # torch loads only for this command
 
     run_decode_bench(

@@ -44,8 +44,9 @@ def precheck_resume(config: RunConfig) -> None:
     size), refused before they load: every checkpoint damaged (a file missing or truncated; the
     checksums are verified at load), or a changed training signal (it needs only the tokenizer and
     the target's config)."""
+    from app.model.loading import load_tokenizer
     from app.model.target import resolve_layer_ids, target_text_config
-    from app.train.setup import load_tokenizer, training_signal
+    from app.train.setup import training_signal
 
     run_dir = Path(config.train.output_dir)
     root = checkpoint_root(run_dir)
