@@ -320,13 +320,7 @@ SGLANG_0_5_19_REQUIRES = [
     "dflash_config.mask_token", "dflash_config.mask_token_id", "dflash_config.target_layer_ids",
     "layer_types", "sliding_window",
 ]  # fmt: skip
-SGLANG_0_5_23_REQUIRES = [
-    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
-    "max_position_embeddings", "num_target_layers", "block_size", "dflash_config.block_size",
-    "dflash_config.mask_token", "dflash_config.mask_token_id", "dflash_config.target_layer_ids",
-    "layer_types", "sliding_window",
-]  # fmt: skip
+SGLANG_0_5_23_REQUIRES = SGLANG_0_5_19_REQUIRES  # its DFlash loader reads the same fields
 VLLM_0_20_0_REQUIRES = [
     "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters",
