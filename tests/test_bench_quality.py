@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
 import statistics
+import sys
 
 import pytest
 
+from app.bench import quality
 from app.bench.quality import (
     QualityPlan,
     QualityReport,
@@ -206,3 +210,41 @@ def test_the_eval_trajectory_pairs_each_eval_with_the_training_metric_logged_bef
     with (tmp_path / "metrics.jsonl").open("a") as metrics:  # a last window too short for a tree round
         metrics.write(json.dumps({"step": 210, "loss": 2.7, "streak": 0.8, "tree_streak": None}) + "\n")
     assert last_training_line(tmp_path) == {"step": 210, "loss": 2.7, "streak": 0.8, "tree_streak": 1.4}
+
+
+def test_a_stop_signal_reaches_the_live_children_which_finish_and_no_later_child_starts(monkeypatch):
+    """SIGTERM to the benchmark (a call's time limit): each running child gets it and its handler runs
+    to the end (a training run's checkpoint) while the benchmark relays its output; the child waiting
+    for a slot never starts; the stage stops with one line."""
+    child = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    time.sleep(0.3)\n"  # the checkpoint being written
+        "    print('checkpointed', sys.argv[1], flush=True)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('started', sys.argv[1], flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(quality, "DFLASH", [sys.executable, "-c", child])
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if (
+            sum(line.startswith("[") and " started " in line for line in lines) == 2
+            and "stopping" not in lines
+        ):
+            lines.append("stopping")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    children = [("a", ["a"]), ("b", ["b"]), ("c", ["c"])]
+    with quality.STOP.installed(), pytest.raises(UserError) as stopped:
+        run_children(children, jobs=2, log=log)
+    assert str(stopped.value) == (
+        "bench quality: stopped by SIGTERM (the runs checkpointed, the datagen answers that ended are "
+        "kept); the same command resumes"
+    )
+    assert {"[a] checkpointed a", "[b] checkpointed b"} <= set(lines)
+    assert not any(line.startswith("[c]") for line in lines)
+    assert signal.getsignal(signal.SIGTERM) is not quality.STOP._relay  # handlers restored after

@@ -18,12 +18,14 @@ complete is not run again):
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +35,8 @@ from app.atomic import write_text_atomic
 from app.config import load_config
 from app.errors import UserError
 
+DFLASH = [sys.executable, "-m", "app"]
+"""How a child runs `dflash`: this interpreter, this checkout."""
 Log = Callable[[str], None]
 Arm = tuple[str, int]
 """One training run of the benchmark: its arm's name and its seed."""
@@ -95,10 +99,17 @@ class QualityReport:
 
 
 def run_quality(plan: QualityPlan, log: Log = print) -> QualityReport:
-    """Every stage of the module docstring, resuming where `plan.workdir` holds finished ones."""
+    """Every stage of the module docstring, resuming where `plan.workdir` holds finished ones. A stop
+    signal is passed on to the children (each checkpoints or commits, then exits) and no later stage
+    starts: a rerun resumes (`STOP`)."""
     config = load_config(plan.config_file, plan.stage_overrides())
     if config.datagen.engine != "local" and config.target.builtin is None:
         log("bench quality: datagen goes through the configured servers (datagen.engine = servers)")
+    with STOP.installed():
+        return _run_stages(plan, log)
+
+
+def _run_stages(plan: QualityPlan, log: Log) -> QualityReport:
     report = QualityReport()
     with _stage(report, "prompts", log):
         _build_prompts(plan, log)
@@ -205,6 +216,7 @@ def run_children(commands: list[tuple[str, list[str] | None]], jobs: int, log: L
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         failures = list(pool.map(lambda item: run(*item), pending))
+    STOP.check()  # one line for the stop, not one per child
     failed = [failure for failure in failures if failure]
     if failed:
         raise UserError("; ".join(failed))
@@ -212,12 +224,15 @@ def run_children(commands: list[tuple[str, list[str] | None]], jobs: int, log: L
 
 def _child(arguments: list[str], log: Log) -> None:
     """`dflash ARGUMENTS` in a child process, its output passed on line by line; its failure is ours."""
-    command = [sys.executable, "-m", "app", *arguments]
+    command = [*DFLASH, *arguments]
+    STOP.check()
     log(f"bench quality: $ dflash {' '.join(arguments)}")
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
         assert child.stdout is not None
-        for line in child.stdout:
-            log(line.rstrip("\n"))
+        with STOP.watching(child):
+            for line in child.stdout:
+                log(line.rstrip("\n"))
+    STOP.check()
     if child.returncode != 0:
         raise UserError(
             f"bench quality: `dflash {arguments[0]}` exited {child.returncode} (its output is above)"
@@ -253,6 +268,58 @@ def eval_trajectory(run_dir: Path) -> list[tuple[float, float]]:
         if tree_tau is not None and streak is not None:
             pairs.append((float(streak), float(tree_tau)))
     return pairs
+
+
+class StopRelay:
+    """A stop signal to the benchmark (SIGTERM, SIGINT: a scheduler's or a call's time limit) goes on to
+    every live child, whose own handler checkpoints the training run or commits datagen's finished
+    answers before it exits. The benchmark keeps relaying their output until they have, then stops
+    with one line instead of starting the next child or stage; the same command resumes.
+    Without it the children would die with the parent's pipe, mid-save."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self._children: set[subprocess.Popen] = set()
+        self._lock = threading.RLock()  # re-entrant: the handler can interrupt the main thread holding it
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        self.signal = None
+        previous = {sig: signal.signal(sig, self._relay) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    @contextlib.contextmanager
+    def watching(self, child: subprocess.Popen) -> Iterator[None]:
+        with self._lock:
+            self._children.add(child)
+            if self.signal is not None:  # the signal came while this child started
+                child.send_signal(self.signal)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._children.discard(child)
+
+    def check(self) -> None:
+        if self.signal is not None:
+            raise UserError(
+                f"bench quality: stopped by {self.signal.name} (the runs checkpointed, the datagen "
+                "answers that ended are kept); the same command resumes"
+            )
+
+    def _relay(self, signum: int, frame: object) -> None:
+        self.signal = signal.Signals(signum)
+        with self._lock:
+            for child in self._children:
+                child.send_signal(signum)
+
+
+STOP = StopRelay()
+"""The benchmark's one relay: signal handlers belong to the process."""
 
 
 class _stage:
