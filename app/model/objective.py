@@ -60,7 +60,8 @@ class LossOutput:
     acc: torch.Tensor
     """0-d: argmax accuracy over supervised block slots."""
     streak: torch.Tensor
-    """0-d: mean over valid blocks of the leading correct slots (training proxy of acceptance length - 1)."""
+    """0-d: mean over valid blocks of the leading correct slots: per block what a round anchored there
+    accepts, but over uniform anchors, so above eval's tau - 1, a mean over rounds (docs/architecture.md)."""
     noise: float
     """Std of the Gaussian noise added to the context features this step (0: off)."""
     supervised_tokens: torch.Tensor
