@@ -60,7 +60,8 @@ class LossOutput:
     acc: torch.Tensor
     """0-d: argmax accuracy over supervised block slots."""
     streak: torch.Tensor
-    """0-d: mean over valid blocks of the leading correct slots (training proxy of acceptance length - 1)."""
+    """0-d: mean over valid blocks of the leading correct slots: per block what a round anchored there
+    accepts, but over uniform anchors, so above eval's tau - 1, a mean over rounds (docs/architecture.md)."""
     noise: float
     """Std of the Gaussian noise added to the context features this step (0: off)."""
     supervised_tokens: torch.Tensor
@@ -157,21 +158,38 @@ def tree_streak(
     """(sum of the tree streaks, blocks) over `sample.blocks` blocks with a supervised first slot,
     spread evenly (`hidden [A, B-1, H]` of slots 1..B-1). Reads the row's labels on the host: a log
     step's synchronisation, one LM-head matmul of the sampled blocks and a tree per block."""
-    leading = torch.cumprod(supervised.int(), dim=1).sum(dim=1)
-    candidates = leading.nonzero().flatten()
+    candidates = supervised[:, 0].nonzero().flatten()
     picks = candidates[
         torch.linspace(0, len(candidates) - 1, min(sample.blocks, len(candidates))).round().long()
     ]
-    accepted = 0
-    if len(picks):
-        log_probs, token_ids = top_k_per_depth(lm_head(hidden[picks].to(lm_head.weight.dtype)), sample.top_k)
-        for block, length, block_log_probs, block_token_ids in zip(
-            labels[picks].tolist(), leading[picks].tolist(), log_probs, token_ids, strict=True
-        ):
-            tree = grow_tree(block_log_probs, block_token_ids, sample.budget)
-            accepted += tree.accepted(block[:length])
+    accepted = sum(tree_accepted(hidden, lm_head, labels, supervised, picks, sample.budget, sample.top_k))
     device = hidden.device
     return torch.tensor(float(accepted), device=device), torch.tensor(float(len(picks)), device=device)
+
+
+@torch.no_grad()
+def tree_accepted(
+    hidden: torch.Tensor,
+    lm_head: nn.Linear,
+    labels: torch.Tensor,
+    supervised: torch.Tensor,
+    blocks: torch.Tensor,
+    budget: int,
+    top_k: int,
+) -> list[int]:
+    """Per block of `blocks` (indices into `hidden [A, B-1, H]`), the leading supervised slots whose
+    tokens are a path of its budget-`budget` DDTree tree: what a tree round anchored there accepts
+    (tests/test_train_eval_alignment.py holds it to eval's tree rounds)."""
+    if not len(blocks):
+        return []
+    leading = torch.cumprod(supervised[blocks].int(), dim=1).sum(dim=1)
+    log_probs, token_ids = top_k_per_depth(lm_head(hidden[blocks].to(lm_head.weight.dtype)), top_k)
+    return [
+        grow_tree(block_log_probs, block_token_ids, budget).accepted(block[:length])
+        for block, length, block_log_probs, block_token_ids in zip(
+            labels[blocks].tolist(), leading.tolist(), log_probs, token_ids, strict=True
+        )
+    ]
 
 
 def block_labels(row: DrafterRow, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,9 +238,18 @@ def block_metrics(
     """`acc` over supervised slots and `streak` = mean leading correct slots per valid block (0-d each)."""
     correct = (predictions == labels) & supervised
     acc = correct.sum() / supervised.sum().clamp_min(1)
-    leading = torch.cumprod(correct.int(), dim=1).sum(dim=1)  # stops at the first wrong or unsupervised slot
+    leading = leading_correct(predictions, labels, supervised)
     streak = (leading * anchor_valid).sum() / anchor_valid.sum().clamp_min(1)
     return acc.detach(), streak.detach()
+
+
+def leading_correct(
+    predictions: torch.Tensor, labels: torch.Tensor, supervised: torch.Tensor
+) -> torch.Tensor:
+    """`[A]` leading correct slots per block, stopping at the first wrong or unsupervised slot: the
+    drafts a chain round anchored there accepts (tests/test_train_eval_alignment.py)."""
+    correct = (predictions == labels) & supervised
+    return torch.cumprod(correct.int(), dim=1).sum(dim=1)
 
 
 def chunked_lm_head_ce(
