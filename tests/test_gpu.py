@@ -249,6 +249,33 @@ def test_counting_a_step_s_flops_does_not_synchronise_with_the_host() -> None:
     assert flops.device.type == "cuda" and int(flops) == int(step_flops(forward_flops(arch, row)))
 
 
+def test_two_runs_of_one_seed_train_bit_identical_drafters(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
+) -> None:
+    """The same seed gives the same drafter on one machine, to the last bit: flex attention's backward,
+    the Triton CE chunk and the fused AdamW add in a fixed order (an atomic add in any of them would
+    make two runs differ, and with them every tau measured to compare objectives or recipes)."""
+
+    def train(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        # the first run's steady state (fail_on_recompile) must not refuse the second run's warm-up
+        torch.compiler.set_stance("default")
+        config = random_target_config(
+            tiny_tokenizer_dir, tiny_conversations, tmp_path / name, device="cuda", precision="bf16",
+            max_steps=8, eval_every=0, **ON_ANY_STACK,
+        )  # fmt: skip
+        config.compile.cache_dir = str(persistent_tmp / "compile_cache")
+        config.compile.inductor_dir = str(persistent_tmp / "inductor")
+        trainer = Trainer(config, log=lambda line: None)
+        losses = trainer.run().losses
+        return losses, {key: value.detach().clone() for key, value in trainer.drafter.state_dict().items()}
+
+    first_losses, first_weights = train("a")
+    second_losses, second_weights = train("b")
+    assert second_losses == first_losses
+    for name, weight in first_weights.items():
+        assert torch.equal(second_weights[name], weight), name
+
+
 def test_a_non_finite_step_is_skipped_on_the_device(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:
