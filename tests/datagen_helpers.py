@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -77,7 +78,14 @@ def start_cli(config: Path) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=default_hangup,
     )
+
+
+def default_hangup() -> None:
+    """A run started from a shell has SIGHUP at its default, also when the suite itself runs under
+    nohup (which leaves it ignored, and an ignored SIGHUP rightly stays ignored by the run)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def assert_complete(rows: list[dict[str, Any]], prompts: Path) -> None:

@@ -25,6 +25,7 @@ from tests.datagen_helpers import (
     FAST,
     REPO,
     assert_complete,
+    default_hangup,
     make_config,
     output_rows,
     quiet_console,
@@ -96,7 +97,7 @@ def test_closing_the_terminal_commits_completed_records(tmp_path: Path) -> None:
     try:
         run = subprocess.Popen(
             [sys.executable, "-c", as_session_leader, str(DFLASH), "datagen", str(config)],
-            cwd=REPO, stdin=tty, stdout=tty, stderr=tty, start_new_session=True,
+            cwd=REPO, stdin=tty, stdout=tty, stderr=tty, start_new_session=True, preexec_fn=default_hangup,
         )  # fmt: skip
         os.close(tty)
         # unread, the window fills no buffer: the run writes only a few KiB before it is closed
