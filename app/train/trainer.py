@@ -38,12 +38,12 @@ from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
 from app.model.flops import forward_flops, step_flops
-from app.model.loading import load_tokenizer, pick_device
 from app.model.objective import TreeSample, feature_noise_std, noise_generator
-from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
+from app.model.target import resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
 from app.pipeline.distributed import Runtime
+from app.pipeline.inputs import load_run_inputs
 from app.pipeline.remote import RemoteFeatureSource
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
@@ -56,7 +56,7 @@ from app.train.metrics import StepOutput, StepSums, TrainingMetrics
 from app.train.reporting import run_telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
-from app.train.setup import load_run_data, require_fast_kernels, training_signal
+from app.train.setup import training_signal
 from app.train.signals import StopRequest
 from app.train.step import BorrowedHeads, DrafterStep
 
@@ -117,15 +117,18 @@ class Trainer:
             allow_drift=config.train.allow_environment_drift,
         )
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
-        self.device = runtime.device if runtime is not None else pick_device(config.train.device)
-        runs_target = runtime is None or runtime.layout.colocated
-        slow = require_fast_kernels(
-            config, self.device, self.environment.fingerprint, runs_target=runs_target
-        )
-        self.environment = self.environment.also_accepting(slow)
-        self.tokenizer = load_tokenizer(config)
+        layout = runtime.layout if runtime is not None else None
         # Data is loaded (and an empty dataset refused) before any model is built.
-        self.train_data, self.eval_data = load_run_data(config, self.tokenizer, runtime)
+        inputs = load_run_inputs(
+            config,
+            runtime,
+            fingerprint=self.environment.fingerprint,
+            with_target=layout is None or layout.colocated,
+        )
+        self.environment = self.environment.also_accepting(inputs.accepted)
+        self.device, self.tokenizer, self.target = inputs.device, inputs.tokenizer, inputs.target
+        assert inputs.train_data is not None and inputs.eval_data is not None
+        self.train_data, self.eval_data = inputs.train_data, inputs.eval_data
         self._note(self.train_data.summary.describe())
         self.planner = BatchPlanner.from_config(self.train_data.lengths, config.data, config.train.seed)
         shapes = self.planner.shapes
@@ -133,15 +136,12 @@ class Trainer:
             f"target batches (epoch 0): {plan_stats(self.planner.plan(0), self.train_data.lengths, shapes).describe()}"
             f"; the run's {shapes.describe()}"
         )
-        layout = runtime.layout if runtime is not None else None
         self.rounds = RoundPlanner.for_layout(self.planner, layout, config.train.grad_accum)
         self.total_steps = self.rounds.total_steps(config.train.epochs)
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
 
-        self.target, self.heads, arch, layer_ids = self._target_side(
-            layout is not None and not layout.colocated
-        )
+        self.heads, arch, layer_ids = self._target_side()
         self.config = config = with_derived_defaults(config, arch)  # what config.json records
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
         self.drafter_step = DrafterStep(config, self.drafter, self.heads, self.device)
@@ -167,18 +167,17 @@ class Trainer:
             colocated=self.target is not None,
         )  # fmt: skip
 
-    def _target_side(self, split: bool) -> tuple[TargetModel | None, BorrowedHeads, DrafterArch, list[int]]:
-        """The target (None on a split drafter rank, which receives only the heads from target 0), the
-        heads the drafter borrows, the drafter's shape and the target layers it reads."""
-        config = self.config
-        if split:
+    def _target_side(self) -> tuple[BorrowedHeads, DrafterArch, list[int]]:
+        """The heads the drafter borrows (a split drafter rank, without the target, receives them from
+        target 0), the drafter's shape and the target layers it reads."""
+        config, target = self.config, self.target
+        if target is None:
             text_config = target_text_config(config.target)
             heads = BorrowedHeads(*receive_heads(self.runtime, target_dtype(config.target, self.device)))
             layer_ids = resolve_layer_ids(config.drafter, text_config.num_hidden_layers)
-            return None, heads, DrafterArch.from_config(config, text_config), layer_ids
-        target = load_target(config, self.device)
+            return heads, DrafterArch.from_config(config, text_config), layer_ids
         heads = BorrowedHeads(target.embed_tokens, target.lm_head)
-        return target, heads, DrafterArch.from_config(config, target), target.layer_ids
+        return heads, DrafterArch.from_config(config, target), target.layer_ids
 
     # ---- the step ---------------------------------------------------------------------------------
 
