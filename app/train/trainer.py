@@ -27,11 +27,11 @@ import torch
 from app.atomic import write_json_atomic
 from app.checkpoint.store import PREFIX, check_run_directory, checkpoint_root, load_latest_checkpoint
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
-from app.compile.prepare import prepare_compiled_training
+from app.compile.prepare import CompileReport, prepare_compiled_training
 from app.config import RunConfig
 from app.data.batching import BatchPlanner, DataCursor, plan_stats
 from app.data.tokenize import pad_token_id
-from app.env.guard import ALLOW_SETTING, check_environment
+from app.env.guard import ALLOW_SETTING, EnvironmentCheck, check_environment
 from app.env.record import append_start
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
@@ -108,39 +108,20 @@ class Trainer:
             config, log, is_logger=self.is_logger, reporters=reporters or [], watches=watches or []
         )
         self.run_dir = Path(config.train.output_dir)
-        if self.is_logger:
-            check_run_directory(self.run_dir, resume)
-        # Before the target and the data load: a drifted environment is refused in seconds, not minutes.
-        self.environment = check_environment(
-            self.run_dir if self.is_logger else None,
-            resume=resume,
-            allow_drift=config.train.allow_environment_drift,
-        )
+        self.environment = self._check_start(resume)
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
-        layout = runtime.layout if runtime is not None else None
         # Data is loaded (and an empty dataset refused) before any model is built.
         inputs = load_run_inputs(
             config,
             runtime,
             fingerprint=self.environment.fingerprint,
-            with_target=layout is None or layout.colocated,
+            with_target=runtime is None or runtime.layout.colocated,
         )
         self.environment = self.environment.also_accepting(inputs.accepted)
         self.device, self.tokenizer, self.target = inputs.device, inputs.tokenizer, inputs.target
         assert inputs.train_data is not None and inputs.eval_data is not None
         self.train_data, self.eval_data = inputs.train_data, inputs.eval_data
-        self._note(self.train_data.summary.describe())
-        self.planner = BatchPlanner.from_config(self.train_data.lengths, config.data, config.train.seed)
-        shapes = self.planner.shapes
-        self._note(
-            f"target batches (epoch 0): {plan_stats(self.planner.plan(0), self.train_data.lengths, shapes).describe()}"
-            f"; the run's {shapes.describe()}"
-        )
-        self.rounds = RoundPlanner.for_layout(self.planner, layout, config.train.grad_accum)
-        self.total_steps = self.rounds.total_steps(config.train.epochs)
-        if config.train.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.train.max_steps)
-
+        self.planner, self.rounds, self.total_steps = self._plan()
         self.heads, arch, layer_ids = self._target_side()
         self.config = config = with_derived_defaults(config, arch)  # what config.json records
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
@@ -148,17 +129,9 @@ class Trainer:
         self._tree_sample = TreeSample.from_config(config.train, config.telemetry.tree_streak_blocks)
         self.optimizer = self.drafter_step.optimizer
         self.signal = training_signal(config, layer_ids, self.tokenizer)
-        self.step = 0
-        self.cursor = DataCursor()
-        resumed = self._resume() if resume and self.is_logger else False
-        if runtime is not None:
-            resumed = self._agree_on_start(runtime, resumed)
-        self.resumed = resumed
-        # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
-        self.compile_report = prepare_compiled_training(config, self.drafter_step, log, self.target)
-        self.telemetry.watch(compile_watches(self.compile_report, config))
-        if runtime is not None and runtime.layout.num_drafters > 1:
-            self.drafter_step.replicate(runtime, resumed)
+        self.step, self.cursor = 0, DataCursor()
+        self.resumed = self._start_point(resume)
+        self.compile_report = self._prepare_compiled()
         self.stop_request = StopRequest(self._note)
         self.peak = reference_peak(config.telemetry.peak_tflops, self.device, config.train.precision)
         self.metrics = TrainingMetrics(
@@ -166,6 +139,36 @@ class Trainer:
             device=self.device, peak=self.peak, noise=config.train.feature_noise_std > 0,
             colocated=self.target is not None,
         )  # fmt: skip
+
+    # ---- the start --------------------------------------------------------------------------------
+
+    def _check_start(self, resume: bool) -> EnvironmentCheck:
+        """The run directory and the environment, checked before the target and the data load: a wrong
+        directory or a drifted environment is refused in seconds, not minutes."""
+        if self.is_logger:
+            check_run_directory(self.run_dir, resume)
+        return check_environment(
+            self.run_dir if self.is_logger else None,
+            resume=resume,
+            allow_drift=self.config.train.allow_environment_drift,
+        )
+
+    def _plan(self) -> tuple[BatchPlanner, RoundPlanner, int]:
+        """The epoch plan of the training data, its rounds on this layout and the steps the run trains."""
+        config, data = self.config, self.train_data
+        self._note(data.summary.describe())
+        planner = BatchPlanner.from_config(data.lengths, config.data, config.train.seed)
+        shapes = planner.shapes
+        self._note(
+            f"target batches (epoch 0): {plan_stats(planner.plan(0), data.lengths, shapes).describe()}"
+            f"; the run's {shapes.describe()}"
+        )
+        layout = self.runtime.layout if self.runtime is not None else None
+        rounds = RoundPlanner.for_layout(planner, layout, config.train.grad_accum)
+        total_steps = rounds.total_steps(config.train.epochs)
+        if config.train.max_steps is not None:
+            total_steps = min(total_steps, config.train.max_steps)
+        return planner, rounds, total_steps
 
     def _target_side(self) -> tuple[BorrowedHeads, DrafterArch, list[int]]:
         """The heads the drafter borrows (a split drafter rank, without the target, receives them from
@@ -424,6 +427,23 @@ class Trainer:
         start = runtime.side.wait_start(runtime.recv_timeout_s)
         self.step, self.cursor = start.step, start.cursor
         return start.resumed
+
+    def _start_point(self, resume: bool) -> bool:
+        """Whether training resumes: drafter rank 0 loads the latest good checkpoint, and under torchrun
+        every rank takes the step and cursor it publishes."""
+        resumed = self._resume() if resume and self.is_logger else False
+        if self.runtime is not None:
+            resumed = self._agree_on_start(self.runtime, resumed)
+        return resumed
+
+    def _prepare_compiled(self) -> CompileReport:
+        """Main thread, before the feature source (and any thread or worker) exists: load, warm up,
+        verify; then DDP over the drafter group, which broadcasts the (resumed) weights."""
+        report = prepare_compiled_training(self.config, self.drafter_step, self.log, self.target)
+        self.telemetry.watch(compile_watches(report, self.config))
+        if self.runtime is not None and self.runtime.layout.num_drafters > 1:
+            self.drafter_step.replicate(self.runtime, self.resumed)
+        return report
 
     # ---- run directory ------------------------------------------------------------------------------
 
