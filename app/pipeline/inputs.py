@@ -3,8 +3,7 @@ roles (`app.train.ranks`) and `dflash eval` (`app.evaluate.trained`): the device
 where the target runs, the target's tokenizer, the tokenized data (once per node under torchrun) and
 the frozen target.
 
-Here, below evaluate and train, so that neither imports the other for it; light at import, since a
-target rank needs it without the trainer's imports.
+Here, below evaluate and train, so that neither imports the other for it.
 """
 
 from __future__ import annotations
