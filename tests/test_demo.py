@@ -6,9 +6,10 @@ from pathlib import Path
 
 from app.demo.run import run_demo
 from app.telemetry.status import read_status
+from tests.helpers import dflash
 
 
-def test_the_demo_run_writes_status_and_plots(tiny_lm_dir, tmp_path: Path) -> None:
+def test_the_demo_run_writes_status_and_plots(tiny_lm_dir, tmp_path: Path, capsys, monkeypatch) -> None:
     lines: list[str] = []
     result = run_demo(
         overrides=[
@@ -27,6 +28,9 @@ def test_the_demo_run_writes_status_and_plots(tiny_lm_dir, tmp_path: Path) -> No
         lines[-1] == f"inspect the run: dflash status {result.run_dir} (plots in {result.run_dir / 'plots'})"
     )
     assert (result.export_dir / "config.json").is_file()
+    # the demo exported its drafter: `dflash status` points at that export, not at `dflash export`
+    shown = dflash(capsys, monkeypatch, "status", str(result.run_dir)).stdout
+    assert f"serve the drafter exported in {result.export_dir}" in shown and "dflash export" not in shown
     # chain and tree (DDTree at the default budget) tau, before and after
     assert result.tree_tau_before is not None and result.tree_tau_after is not None
     done = next(line for line in lines if line.startswith("demo done in"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.telemetry.plots import metric_figures, y_limits
+from app.telemetry.plots import metric_figures, run_title, y_limits
 
 
 def test_an_accuracy_that_barely_moves_is_drawn_flat_inside_zero_to_one() -> None:
@@ -50,3 +50,15 @@ def test_the_plots_use_those_limits(tmp_path: Path) -> None:
         if name == "loss":
             values += [loss for record in records for loss in record["step_losses"]]
         assert figure.axes[0].get_ylim() == pytest.approx(y_limits(name, values)), name
+
+
+def test_plots_are_titled_by_the_run_name_else_by_parent_and_directory(tmp_path: Path) -> None:
+    """`seed0` alone tells nothing when many runs are plotted: the run's name, else parent/name."""
+    run_dir = tmp_path / "arm-ce" / "seed0"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    assert metric_figures(run_dir)["loss"].axes[0].get_title() == "arm-ce/seed0: loss"
+    (run_dir / "config.json").write_text(json.dumps({"telemetry": {"run_name": None}}))
+    assert run_title(run_dir) == "arm-ce/seed0"
+    (run_dir / "config.json").write_text(json.dumps({"telemetry": {"run_name": "ce, seed 0"}}))
+    assert metric_figures(run_dir)["loss"].axes[0].get_title() == "ce, seed 0: loss"

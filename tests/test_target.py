@@ -14,7 +14,7 @@ from app.config import validate_config
 from app.errors import UserError
 from app.model.causal_conv import CAUSAL_CONV1D, REFERENCE, TRITON, fast_causal_conv
 from app.model.target import TargetModel, load_target, target_text_config
-from app.train.setup import require_fast_kernels
+from app.pipeline.inputs import require_fast_kernels
 
 TEXT = {
     "vocab_size": 128,

@@ -521,3 +521,9 @@ def test_a_step_s_sums_reach_the_window_by_name() -> None:
         n: [v] * 2 for n, v in values.items()
     }
     assert window.step_losses == [1 / 4] * 2 and counters == [RankCounters(1, 2, 3, 4, 5, [])]
+
+
+def test_a_step_s_sums_and_a_window_s_are_one_definition_of_the_summed_fields() -> None:
+    """A field added to the step's sums cannot be missed by the window: both take the same fields (the
+    same `Field` objects; dataclasses' fields compare by identity, so two copies would differ)."""
+    assert dataclasses.fields(StepSums) == dataclasses.fields(WindowSums)

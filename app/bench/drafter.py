@@ -148,9 +148,8 @@ def run_drafter_bench(
 
 class NonFiniteBenchStep(UserError):
     """A benchmarked step's loss or gradients were not finite: its time measures nothing (one line,
-    exit 2, like a recompile in the timed steps). On an H200 NaN data even runs faster (the matmuls
-    draw less power under its cap): a flex kernel option that left some attention rows NaN once
-    looked like a 3% faster step (BENCHMARKS.md, 2026-12-02, seventh session)."""
+    exit 2, like a recompile in the timed steps). NaN data can even run faster, so a kernel option that
+    left rows NaN once looked like a faster step (BENCHMARKS.md, 2026-12-02, seventh session)."""
 
 
 def require_finite_steps(drafter_step: DrafterStep, batches: list[FeatureBatch]) -> None:

@@ -118,11 +118,11 @@ def time_run_batches_forward(config: RunConfig, target: TargetModel, device: tor
     from app.compile.warmup import time_target_forwards
     from app.data.batching import BatchPlanner, collate
     from app.data.tokenize import pad_token_id
-    from app.model.loading import load_tokenizer
-    from app.train.setup import load_run_data
+    from app.pipeline.inputs import load_run_inputs
 
-    tokenizer = load_tokenizer(config)
-    train_data, _ = load_run_data(config, tokenizer, runtime=None)
+    inputs = load_run_inputs(config, with_target=False)  # the target is the caller's, on its device
+    tokenizer, train_data = inputs.tokenizer, inputs.train_data
+    assert train_data is not None
     planner = BatchPlanner.from_config(train_data.lengths, config.data, config.train.seed)
     plan = planner.plan(0)
     batches = [

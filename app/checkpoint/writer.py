@@ -1,8 +1,7 @@
 """Checkpoints written in the background: training pauses only to copy its state to host memory.
 
-A synchronous save of the 1B-parameter benchmark drafter with its AdamW state (12.6 GB) held the
-H200 machine's training for 30-70 s (write, checksum, fsync); at the production shape (21 GB every
-500 steps of 1.35 s) that is a 10-15% throughput loss. Here the training thread copies
+A synchronous save (write, checksum, fsync) held every rank's training for about half a minute at the
+benchmark drafter's size (BENCHMARKS.md, 2026-11-30, checkpoint pause). Here the training thread copies
 the state into host memory (`HostSnapshot`) and one writer thread runs `save_checkpoint` on the
 copy: the same atomic, checksummed write, renamed into place only when complete.
 
@@ -132,8 +131,8 @@ class HostSnapshot:
 
     A run's checkpoint holds the same tensors at every save, so the buffers are allocated once, in
     page-locked memory for GPU tensors: the copies are queued back to back and run at the link's
-    speed. A fresh pageable copy of the 12.6 GB benchmark state held the H200 machine's training for
-    10 s, mostly faulting in new host pages.
+    speed; a fresh pageable copy spends most of its time faulting in new host pages (BENCHMARKS.md,
+    2026-11-30, checkpoint pause).
     """
 
     def __init__(self) -> None:

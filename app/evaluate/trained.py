@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from app.config import require_builtin_packages
-from app.data.dataset import load_tokenized, load_training_data
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.lossless import LosslessCheck
@@ -21,8 +20,8 @@ from app.evaluate.predictability import describe_predictability
 from app.evaluate.prompts import prompts_from_dataset, prompts_from_file
 from app.evaluate.speculative import EvalResult
 from app.export import load_trained_drafter
-from app.model.loading import load_tokenizer, pick_device
 from app.model.target import load_target
+from app.pipeline.inputs import load_run_inputs
 
 
 @dataclass
@@ -67,20 +66,19 @@ def evaluate_trained(
     trained = load_trained_drafter(source)
     config = trained.config
     require_builtin_packages(config.target.builtin)  # before the tokenizer, data or target load
-    count = prompts or config.train.eval_prompts
-    tokenizer = load_tokenizer(config)
-    if data is not None:
-        chosen = prompts_from_file(str(data), tokenizer, count, config.data.chat_template_kwargs)
-    elif config.data.eval_files:
-        held_out = load_tokenized(config.data.eval_files, config.data, tokenizer, min_supervised_tokens=1)
-        chosen = prompts_from_dataset(held_out, count)
-    elif config.data.train_files:
-        chosen = prompts_from_dataset(load_training_data(config, tokenizer)[1], count)
-    else:
+    if data is None and not (config.data.eval_files or config.data.train_files):
         raise UserError(
             "eval: no prompts: pass --data FILE or set data.eval_files / data.train_files in the run config"
         )
-    device = pick_device(config.train.device)
+    # The target loads after the prompts are chosen: a --data file that holds none is refused first.
+    inputs = load_run_inputs(config, data="none" if data is not None else "eval", with_target=False)
+    count = prompts or config.train.eval_prompts
+    if data is not None:
+        chosen = prompts_from_file(str(data), inputs.tokenizer, count, config.data.chat_template_kwargs)
+    else:
+        assert inputs.eval_data is not None
+        chosen = prompts_from_dataset(inputs.eval_data, count)
+    device, tokenizer = inputs.device, inputs.tokenizer
     target = load_target(config, device)
     evaluator = Evaluator(
         config,

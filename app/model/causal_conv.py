@@ -1,11 +1,10 @@
 """The hybrid target's short causal convolution (Gated DeltaNet's conv over q, k and v) on a fast kernel.
 
 transformers calls causal-conv1d's CUDA kernel when that package imports, and otherwise a reference
-path: a depthwise `F.conv1d` per linear-attention layer, 9.6 ms against 0.77 ms for
-flash-linear-attention's Triton kernel at 3 x 16384 tokens x 10240 channels on an H200 (48 such
-layers in a Qwen3.6-27B forward). causal-conv1d compiles with nvcc against the exact torch build;
-flash-linear-attention, which a hybrid target needs anyway, ships the same operation as a Triton
-kernel. So where causal-conv1d is absent, `use_fast_causal_conv` puts flash-linear-attention's kernel
+path: a depthwise `F.conv1d` per linear-attention layer, over ten times slower than
+flash-linear-attention's Triton kernel (BENCHMARKS.md, 2026-12-01, fourth session). causal-conv1d
+compiles with nvcc against the exact torch build; flash-linear-attention, which a hybrid target needs
+anyway, ships the same operation as a Triton kernel. So where causal-conv1d is absent, `use_fast_causal_conv` puts flash-linear-attention's kernel
 where transformers looks up `causal_conv1d_fn` (the modeling module of the target's layers), and the
 reference path never runs on a GPU.
 """

@@ -7,9 +7,8 @@ the second pass writes `w * (softmax - one_hot)` over the logits in place. So th
 twice and written once, and the chunk allocates no vocab-sized buffer. Each row's weighted CE goes
 to a buffer of `n` floats before the sum; a caller that needs the rows (the acceptance objectives,
 app/model/acceptance.py) hands that buffer in. Inductor's kernel for the same expression ran at a
-third of the memory bandwidth (its argmax in the loop of the online softmax: 17.0 ms of an 8B-recipe
-step, 30.0 ms at the 27B layout, on an H200); this one takes 10.6 and 18.6 ms (docs/architecture.md,
-DFlash model and objective).
+third of the memory bandwidth (its argmax in the loop of the online softmax); this one takes about
+60% of its time (BENCHMARKS.md, 2026-12-02, fifth session).
 
 Triton compiles it at the first call for the run's vocab and logits dtype (`VOCAB` is a constant of
 the kernel, and a run has one); `dflash build-cache` bakes that compile into the cache entry, so a

@@ -16,8 +16,8 @@ are refilled as they finish (continuous batching), at one shape:
    decoding never waits on it: a finished row idles until then.
 
 Prompts are read at one token per step rather than in a prefill: every step keeps its one shape, and
-no row waits for the longest answer of a batch (the earlier fixed batches idled 43% of their row-steps
-on an H200 when 38% of the answers ran to the limit; BENCHMARKS.md, 2026-12-03).
+no row waits for the longest answer of a batch (what fixed batches idled: docs/architecture.md,
+Batched decoding).
 
 Targets whose cache is not a plain attention cache (linear-attention layers of hybrid models,
 sliding windows) cannot take this one mask over a static cache: they decode through transformers'
@@ -382,8 +382,8 @@ def packed_decode_attention(
     """A decode step's attention with grouped query heads read against each KV head as if they were
     that head's queries (`[rows, heads, 1, d] -> [rows, kv heads, heads / kv heads, d]`), so the cache
     is read once per KV head. transformers' SDPA path repeats the KV heads to the query heads first
-    when compiled: a copy of the whole cache per layer and step, most of the step's time at 512 rows
-    over 1024 slots on an H200 (BENCHMARKS.md, 2026-12-03). A prefill (several queries) is SDPA's."""
+    when compiled: a copy of the whole cache per layer and step, which reading it in place saves (BENCHMARKS.md,
+    2026-12-03, second session). A prefill (several queries) is SDPA's."""
     rows, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     if length != 1 or kv_heads == heads:

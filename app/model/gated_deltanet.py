@@ -4,11 +4,10 @@ transformers projects q, k and v with one matmul, convolves the fused channels, 
 q, k and v arrive at the chunked delta-rule kernel as strided views of one `[B, T, 2 x key + value]`
 tensor, and flash-linear-attention's kernel copies each into a contiguous tensor first. In a
 64-layer Qwen3.6-27B forward that is three copies of every linear-attention layer's q, k and v, the
-largest cost outside matmuls, attention and library kernels that the profile of the compiled
-target showed on an H200 (with RoPE compiled, removing them took that forward at 3 x 16384 tokens
-from 11.69K to 11.98K tok/s; BENCHMARKS.md). The conv is depthwise and the projection's output rows are independent,
-so projecting and convolving q, k and v apart computes the same values, each in its own contiguous
-tensor: `copy_free_forward`, for the calls that carry no cache and no mask (the target's feature
+largest cost outside matmuls, attention and library kernels in the compiled target's profile
+(BENCHMARKS.md, 2026-12-01, sixth session). The conv is depthwise and the projection's output rows
+are independent, so projecting and convolving q, k and v apart computes the same values, each in its
+own contiguous tensor: `copy_free_forward`, for the calls that carry no cache and no mask (the target's feature
 passes). Eval's cached decoding and masked calls keep transformers' forward.
 """
 

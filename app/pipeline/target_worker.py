@@ -27,7 +27,7 @@ from app.data.batch import TargetBatch
 from app.data.batching import BatchPlanner, collate
 from app.data.dataset import TokenizedDataset
 from app.data.packing import pack_row, pad_features, real_token_features
-from app.model.target import TargetModel, load_target
+from app.model.target import TargetModel
 from app.pipeline.assignment import Delivery, RoundPlanner
 from app.pipeline.distributed import Runtime
 from app.pipeline.sidechannel import SideChannel
@@ -62,6 +62,7 @@ class TargetWorker:
         config: RunConfig,
         runtime: Runtime,
         train_data: TokenizedDataset,
+        target: TargetModel,
         planner: BatchPlanner,
         pad_id: int,
         log: Log,
@@ -81,7 +82,7 @@ class TargetWorker:
         self.total_steps = self.rounds.total_steps(config.train.epochs)
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
-        self.target: TargetModel = load_target(config, runtime.device)
+        self.target = target
         self._prepared: queue.Queue[Prepared | BaseException | None] = queue.Queue(
             maxsize=config.topology.prefetch_batches
         )

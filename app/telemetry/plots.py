@@ -3,6 +3,9 @@
 A resumed run appends to metrics.jsonl again from its checkpoint's step, so a step can appear twice:
 the later record wins (it is the one the surviving weights saw). A line cut short by a crash is skipped.
 
+Each plot is titled by the run (`run_title`): its `telemetry.run_name`, else its directory as
+parent/name, so that plots of many runs (one directory per seed or arm) tell which run they show.
+
 The y-axis never zooms into noise (`y_limits`): matplotlib's autoscale stretches any spread to the full
 height, so an accuracy moving by 0.0004 would look like a collapse. A fraction (acc) spans at least
 `MIN_FRACTION_SPAN` inside [0, 1]; every other metric at least `MIN_RELATIVE_SPAN` of its magnitude.
@@ -68,6 +71,19 @@ def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, An
     return [train[s] for s in sorted(train)], [evals[s] for s in sorted(evals)]
 
 
+def run_title(run_dir: Path) -> str:
+    """The run's `telemetry.run_name` (from its config.json) when set, else its directory as parent/name:
+    `seed0` alone says nothing beside the other arms' `seed0`."""
+    try:
+        name = json.loads((run_dir / "config.json").read_text())["telemetry"]["run_name"]
+    except (OSError, ValueError, KeyError, TypeError):  # no readable config: the directory names it
+        name = None
+    if isinstance(name, str) and name:
+        return name
+    resolved = run_dir.resolve()
+    return f"{resolved.parent.name}/{resolved.name}"
+
+
 def write_plots(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     """One PNG per metric in `out_dir` (default RUN_DIR/plots); a metric without data is left out."""
     out_dir = out_dir or run_dir / PLOT_DIR
@@ -85,6 +101,7 @@ def metric_figures(run_dir: Path) -> dict[str, Any]:
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend, Agg rendering
 
     train, evals = read_metrics(run_dir)
+    run = run_title(run_dir)
     steps = [r["step"] for r in train]
     series = {
         "loss": ("loss", [r.get("loss") for r in train], steps),
@@ -120,7 +137,7 @@ def metric_figures(run_dir: Path) -> dict[str, Any]:
         axes.set_ylim(*y_limits(name, plotted))
         axes.set_xlabel("step")
         axes.set_ylabel(name)
-        axes.set_title(f"{run_dir.resolve().name}: {title}")
+        axes.set_title(f"{run}: {title}")
         axes.grid(alpha=0.3)
         if name == "loss":
             axes.legend()

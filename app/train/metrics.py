@@ -45,8 +45,9 @@ class NonFiniteLoss(JobFailed):
 
 
 @dataclass
-class StepSums:
-    """Sums over one optimizer step's real micro-batches of this rank, 0-d float32 on the device."""
+class Sums:
+    """The metrics a step sums over its real micro-batches, one field each, in the order they cross the
+    drafter group; a step holds them 0-d (`StepSums`), a log window `[steps]` (`WindowSums`)."""
 
     loss: torch.Tensor
     acc: torch.Tensor
@@ -56,6 +57,10 @@ class StepSums:
     tree_accepted: torch.Tensor
     """Leading slots on a path of the tree, over the blocks sampled (log steps only, else 0)."""
     tree_blocks: torch.Tensor
+
+
+class StepSums(Sums):
+    """Sums over one optimizer step's real micro-batches of this rank, 0-d float32 on the device."""
 
     @classmethod
     def zeros(cls, device: torch.device) -> StepSums:
@@ -88,16 +93,8 @@ class StepOutput:
     """Useful FLOPs of this rank's real micro-batches (`app.model.flops`), on the device."""
 
 
-@dataclass
-class WindowSums:
-    """A log window's step sums over every drafter rank: `[steps]` float32 per `StepSums` field."""
-
-    loss: torch.Tensor
-    acc: torch.Tensor
-    streak: torch.Tensor
-    batches: torch.Tensor
-    tree_accepted: torch.Tensor
-    tree_blocks: torch.Tensor
+class WindowSums(Sums):
+    """A log window's step sums over every drafter rank: `[steps]` float32 per field."""
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> WindowSums:

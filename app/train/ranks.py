@@ -15,11 +15,10 @@ from app.config import RunConfig
 from app.data.batching import BatchPlanner
 from app.data.tokenize import pad_token_id
 from app.env.guard import check_environment
-from app.model.loading import load_tokenizer
 from app.pipeline.distributed import Runtime
+from app.pipeline.inputs import load_run_inputs
 from app.pipeline.target_worker import TargetWorker
 from app.train.resume import precheck_resume
-from app.train.setup import load_run_data, require_fast_kernels
 from app.train.trainer import Trainer, TrainResult
 
 Log = Callable[[str], None]
@@ -40,14 +39,21 @@ def run_target_rank(config: RunConfig, runtime: Runtime, log: Log) -> None:
     """Run the frozen target over this rank's batches of every epoch and send their features."""
     # Its own environment, before the target loads (the run's record is the logging drafter rank's).
     check = check_environment(None, resume=False, allow_drift=config.train.allow_environment_drift)
-    for line in require_fast_kernels(config, runtime.device, check.fingerprint):
-        log(f"warning: DEGRADED target rank: {line}")
-    # Main thread, before the worker's threads exist: a hybrid target's library Triton kernels come
-    # from the baked compile-cache entry instead of 40 s of JIT in every process.
+    # Main thread, before the worker's threads exist and before the target loads: a hybrid target's
+    # library Triton kernels come from the baked compile-cache entry instead of 40 s of JIT in every process.
     entry = prepare_target_rank(config, runtime.device, log)
-    tokenizer = load_tokenizer(config)
-    train_data, _ = load_run_data(config, tokenizer, runtime)
-    planner = BatchPlanner.from_config(train_data.lengths, config.data, config.train.seed)
+    inputs = load_run_inputs(config, runtime, fingerprint=check.fingerprint)
+    for line in inputs.accepted:
+        log(f"warning: DEGRADED target rank: {line}")
+    assert inputs.train_data is not None and inputs.target is not None
+    planner = BatchPlanner.from_config(inputs.train_data.lengths, config.data, config.train.seed)
     TargetWorker(
-        config, runtime, train_data, planner, pad_token_id(tokenizer), log, cache_loaded=entry is not None
+        config,
+        runtime,
+        inputs.train_data,
+        inputs.target,
+        planner,
+        pad_token_id(inputs.tokenizer),
+        log,
+        cache_loaded=entry is not None,
     ).run()

@@ -27,23 +27,23 @@ import torch
 from app.atomic import write_json_atomic
 from app.checkpoint.store import PREFIX, check_run_directory, checkpoint_root, load_latest_checkpoint
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
-from app.compile.prepare import prepare_compiled_training
+from app.compile.prepare import CompileReport, prepare_compiled_training
 from app.config import RunConfig
 from app.data.batching import BatchPlanner, DataCursor, plan_stats
 from app.data.tokenize import pad_token_id
-from app.env.guard import ALLOW_SETTING, check_environment
+from app.env.guard import ALLOW_SETTING, EnvironmentCheck, check_environment
 from app.env.record import append_start
 from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
 from app.model.flops import forward_flops, step_flops
-from app.model.loading import load_tokenizer, pick_device
 from app.model.objective import TreeSample, feature_noise_std, noise_generator
-from app.model.target import TargetModel, load_target, resolve_layer_ids, target_dtype, target_text_config
+from app.model.target import resolve_layer_ids, target_dtype, target_text_config
 from app.pipeline.assignment import RoundPlanner
 from app.pipeline.colocated import ColocatedFeatureSource
 from app.pipeline.distributed import Runtime
+from app.pipeline.inputs import load_run_inputs
 from app.pipeline.remote import RemoteFeatureSource
 from app.pipeline.sidechannel import StartPoint
 from app.pipeline.source import FeatureSource, StepBatches
@@ -56,7 +56,7 @@ from app.train.metrics import StepOutput, StepSums, TrainingMetrics
 from app.train.reporting import run_telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
-from app.train.setup import load_run_data, require_fast_kernels, training_signal
+from app.train.setup import training_signal
 from app.train.signals import StopRequest
 from app.train.step import BorrowedHeads, DrafterStep
 
@@ -108,57 +108,30 @@ class Trainer:
             config, log, is_logger=self.is_logger, reporters=reporters or [], watches=watches or []
         )
         self.run_dir = Path(config.train.output_dir)
-        if self.is_logger:
-            check_run_directory(self.run_dir, resume)
-        # Before the target and the data load: a drifted environment is refused in seconds, not minutes.
-        self.environment = check_environment(
-            self.run_dir if self.is_logger else None,
-            resume=resume,
-            allow_drift=config.train.allow_environment_drift,
-        )
+        self.environment = self._check_start(resume)
         self.checkpoints = CheckpointWriter(self.run_dir, keep_last=config.train.keep_last)
-        self.device = runtime.device if runtime is not None else pick_device(config.train.device)
-        runs_target = runtime is None or runtime.layout.colocated
-        slow = require_fast_kernels(
-            config, self.device, self.environment.fingerprint, runs_target=runs_target
-        )
-        self.environment = self.environment.also_accepting(slow)
-        self.tokenizer = load_tokenizer(config)
         # Data is loaded (and an empty dataset refused) before any model is built.
-        self.train_data, self.eval_data = load_run_data(config, self.tokenizer, runtime)
-        self._note(self.train_data.summary.describe())
-        self.planner = BatchPlanner.from_config(self.train_data.lengths, config.data, config.train.seed)
-        shapes = self.planner.shapes
-        self._note(
-            f"target batches (epoch 0): {plan_stats(self.planner.plan(0), self.train_data.lengths, shapes).describe()}"
-            f"; the run's {shapes.describe()}"
+        inputs = load_run_inputs(
+            config,
+            runtime,
+            fingerprint=self.environment.fingerprint,
+            with_target=runtime is None or runtime.layout.colocated,
         )
-        layout = runtime.layout if runtime is not None else None
-        self.rounds = RoundPlanner.for_layout(self.planner, layout, config.train.grad_accum)
-        self.total_steps = self.rounds.total_steps(config.train.epochs)
-        if config.train.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.train.max_steps)
-
-        self.target, self.heads, arch, layer_ids = self._target_side(
-            layout is not None and not layout.colocated
-        )
+        self.environment = self.environment.also_accepting(inputs.accepted)
+        self.device, self.tokenizer, self.target = inputs.device, inputs.tokenizer, inputs.target
+        assert inputs.train_data is not None and inputs.eval_data is not None
+        self.train_data, self.eval_data = inputs.train_data, inputs.eval_data
+        self.planner, self.rounds, self.total_steps = self._plan()
+        self.heads, arch, layer_ids = self._target_side()
         self.config = config = with_derived_defaults(config, arch)  # what config.json records
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
         self.drafter_step = DrafterStep(config, self.drafter, self.heads, self.device)
         self._tree_sample = TreeSample.from_config(config.train, config.telemetry.tree_streak_blocks)
         self.optimizer = self.drafter_step.optimizer
         self.signal = training_signal(config, layer_ids, self.tokenizer)
-        self.step = 0
-        self.cursor = DataCursor()
-        resumed = self._resume() if resume and self.is_logger else False
-        if runtime is not None:
-            resumed = self._agree_on_start(runtime, resumed)
-        self.resumed = resumed
-        # Main thread, before the feature source (and any thread or worker) exists: load, warm up, verify.
-        self.compile_report = prepare_compiled_training(config, self.drafter_step, log, self.target)
-        self.telemetry.watch(compile_watches(self.compile_report, config))
-        if runtime is not None and runtime.layout.num_drafters > 1:
-            self.drafter_step.replicate(runtime, resumed)
+        self.step, self.cursor = 0, DataCursor()
+        self.resumed = self._start_point(resume)
+        self.compile_report = self._prepare_compiled()
         self.stop_request = StopRequest(self._note)
         self.peak = reference_peak(config.telemetry.peak_tflops, self.device, config.train.precision)
         self.metrics = TrainingMetrics(
@@ -167,18 +140,47 @@ class Trainer:
             colocated=self.target is not None,
         )  # fmt: skip
 
-    def _target_side(self, split: bool) -> tuple[TargetModel | None, BorrowedHeads, DrafterArch, list[int]]:
-        """The target (None on a split drafter rank, which receives only the heads from target 0), the
-        heads the drafter borrows, the drafter's shape and the target layers it reads."""
-        config = self.config
-        if split:
+    # ---- the start --------------------------------------------------------------------------------
+
+    def _check_start(self, resume: bool) -> EnvironmentCheck:
+        """The run directory and the environment, checked before the target and the data load: a wrong
+        directory or a drifted environment is refused in seconds, not minutes."""
+        if self.is_logger:
+            check_run_directory(self.run_dir, resume)
+        return check_environment(
+            self.run_dir if self.is_logger else None,
+            resume=resume,
+            allow_drift=self.config.train.allow_environment_drift,
+        )
+
+    def _plan(self) -> tuple[BatchPlanner, RoundPlanner, int]:
+        """The epoch plan of the training data, its rounds on this layout and the steps the run trains."""
+        config, data = self.config, self.train_data
+        self._note(data.summary.describe())
+        planner = BatchPlanner.from_config(data.lengths, config.data, config.train.seed)
+        shapes = planner.shapes
+        self._note(
+            f"target batches (epoch 0): {plan_stats(planner.plan(0), data.lengths, shapes).describe()}"
+            f"; the run's {shapes.describe()}"
+        )
+        layout = self.runtime.layout if self.runtime is not None else None
+        rounds = RoundPlanner.for_layout(planner, layout, config.train.grad_accum)
+        total_steps = rounds.total_steps(config.train.epochs)
+        if config.train.max_steps is not None:
+            total_steps = min(total_steps, config.train.max_steps)
+        return planner, rounds, total_steps
+
+    def _target_side(self) -> tuple[BorrowedHeads, DrafterArch, list[int]]:
+        """The heads the drafter borrows (a split drafter rank, without the target, receives them from
+        target 0), the drafter's shape and the target layers it reads."""
+        config, target = self.config, self.target
+        if target is None:
             text_config = target_text_config(config.target)
             heads = BorrowedHeads(*receive_heads(self.runtime, target_dtype(config.target, self.device)))
             layer_ids = resolve_layer_ids(config.drafter, text_config.num_hidden_layers)
-            return None, heads, DrafterArch.from_config(config, text_config), layer_ids
-        target = load_target(config, self.device)
+            return heads, DrafterArch.from_config(config, text_config), layer_ids
         heads = BorrowedHeads(target.embed_tokens, target.lm_head)
-        return target, heads, DrafterArch.from_config(config, target), target.layer_ids
+        return heads, DrafterArch.from_config(config, target), target.layer_ids
 
     # ---- the step ---------------------------------------------------------------------------------
 
@@ -425,6 +427,23 @@ class Trainer:
         start = runtime.side.wait_start(runtime.recv_timeout_s)
         self.step, self.cursor = start.step, start.cursor
         return start.resumed
+
+    def _start_point(self, resume: bool) -> bool:
+        """Whether training resumes: drafter rank 0 loads the latest good checkpoint, and under torchrun
+        every rank takes the step and cursor it publishes."""
+        resumed = self._resume() if resume and self.is_logger else False
+        if self.runtime is not None:
+            resumed = self._agree_on_start(self.runtime, resumed)
+        return resumed
+
+    def _prepare_compiled(self) -> CompileReport:
+        """Main thread, before the feature source (and any thread or worker) exists: load, warm up,
+        verify; then DDP over the drafter group, which broadcasts the (resumed) weights."""
+        report = prepare_compiled_training(self.config, self.drafter_step, self.log, self.target)
+        self.telemetry.watch(compile_watches(report, self.config))
+        if self.runtime is not None and self.runtime.layout.num_drafters > 1:
+            self.drafter_step.replicate(self.runtime, self.resumed)
+        return report
 
     # ---- run directory ------------------------------------------------------------------------------
 
