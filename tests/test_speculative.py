@@ -62,6 +62,20 @@ def random_target_config(model_type: str = "qwen3", **extra) -> dict:
     }
 
 
+def answers_batch(sequences: list[tuple[list[int], list[int]]], first_index: int = 0) -> TargetBatch:
+    """`(prompt, answer)` pairs as one right-padded target batch, the answers supervised."""
+    width = max(len(p) + len(a) for p, a in sequences)
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for row, (prompt, answer) in enumerate(sequences):
+        input_ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        attention_mask[row, : len(prompt) + len(answer)] = 1
+        loss_mask[row, len(prompt) : len(prompt) + len(answer)] = True
+    indices = torch.arange(first_index, first_index + len(sequences))
+    return TargetBatch(input_ids, attention_mask, loss_mask, indices)
+
+
 def target_and_drafter(raw: dict, seed: int = 0) -> tuple[TargetModel, DFlashDrafter]:
     config = validate_config(raw)
     target = load_target(config, "cpu")
@@ -295,16 +309,7 @@ def train_on_own_outputs(config, target: TargetModel, prompts: list[list[int]], 
     per_batch = config.data.token_budget // max(len(p) + len(a) for p, a in sequences)
     batches = []
     for start in range(0, len(sequences), per_batch):
-        chunk = sequences[start : start + per_batch]
-        width = max(len(p) + len(a) for p, a in chunk)
-        input_ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        attention_mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        loss_mask = torch.zeros(len(chunk), width, dtype=torch.bool)
-        for row, (prompt, answer) in enumerate(chunk):
-            input_ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-            attention_mask[row, : len(prompt) + len(answer)] = 1
-            loss_mask[row, len(prompt) : len(prompt) + len(answer)] = True
-        batch = TargetBatch(input_ids, attention_mask, loss_mask, torch.arange(start, start + len(chunk)))
+        batch = answers_batch(sequences[start : start + per_batch], first_index=start)
         batches.append((batch, target.features(batch.input_ids)))
 
     torch.manual_seed(0)

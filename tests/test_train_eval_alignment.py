@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from app.config import validate_config
-from app.data.batch import FeatureBatch, TargetBatch
+from app.data.batch import FeatureBatch
 from app.data.packing import pack_features, pack_row
 from app.evaluate.replay import replay_prompt
 from app.evaluate.speculative import speculative_generate
@@ -30,6 +30,7 @@ from app.evaluate.tree import verified_tree_decode
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import block_labels, chunked_lm_head_ce, drafter_loss, leading_correct, tree_accepted
 from app.model.target import TargetModel, load_target
+from tests.test_speculative import answers_batch, random_target_config
 
 BLOCK = 6
 PROMPTS = [[11, 42, 7, 99, 150, 23, 5], [200, 3, 77, 18, 260, 41, 9, 132, 64]]
@@ -50,25 +51,11 @@ def single_thread():
 
 def raw_config(**drafter) -> dict:
     """A small random Qwen3 target (fp32 on CPU) and a 2-layer drafter over its layers 1 and 5."""
-    return {
-        "target": {
-            "architecture": {
-                "model_type": "qwen3",
-                "vocab_size": 300,
-                "hidden_size": 64,
-                "intermediate_size": 96,
-                "num_hidden_layers": 8,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 16,
-                # logits as peaked as a trained model's: greedy answers that are not one repeated token
-                "initializer_range": 0.2,
-            }
-        },
-        "drafter": {"num_layers": 2, "block_size": BLOCK, "mask_token_id": 7, **drafter},
-        "data": {"token_budget": 128, "max_length": 64},
-        "train": {"anchors": 128, "device": "cpu"},
-    }
+    # logits as peaked as a trained model's: greedy answers that are not one repeated token
+    raw = random_target_config(initializer_range=0.2)
+    raw["drafter"].update(block_size=BLOCK, **drafter)
+    raw["train"]["anchors"] = 128
+    return raw
 
 
 def greedy_answer(target: TargetModel, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -88,15 +75,7 @@ def training_batch(
 ) -> FeatureBatch:
     """The documents `(prompt, answer)` packed into one drafter row as the trainer packs them (answers
     supervised, every candidate anchor taken when `anchors` covers them), with the target's features."""
-    width = max(len(p) + len(a) for p, a in sequences)
-    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    attention_mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    loss_mask = torch.zeros(len(sequences), width, dtype=torch.bool)
-    for row, (prompt, answer) in enumerate(sequences):
-        input_ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-        attention_mask[row, : len(prompt) + len(answer)] = 1
-        loss_mask[row, len(prompt) : len(prompt) + len(answer)] = True
-    batch = TargetBatch(input_ids, attention_mask, loss_mask, torch.arange(len(sequences)))
+    batch = answers_batch(sequences)
     row = pack_row(batch, token_budget=128, anchors=anchors, pad_token_id=0, seed=0, epoch=0, index=0)
     return pack_features(batch, target.features(batch.input_ids), row)
 
