@@ -258,7 +258,13 @@ def _gpu_findings(fingerprint: dict[str, Any]) -> list[Finding]:
 
 
 def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    from app.model.causal_conv import fast_causal_conv
+
     kernels = fingerprint.get("fast_kernels") or {}
+    present = {module: bool(status.get("present")) for module, status in kernels.items()}
+    # Asked of a run on CUDA: the image is checked on machines without a GPU, and the answer is what
+    # its hybrid targets will run on the GPU host (causal-conv1d is optional where fla stands in).
+    conv = fast_causal_conv(present, cuda=True)
     found = []
     for module, status in kernels.items():
         if status.get("error"):
@@ -269,7 +275,7 @@ def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
                     f"./uvw sync --group gpu --reinstall-package {FAST_KERNELS.get(module, module)}",
                 )
             )
-        elif not status.get("present"):
+        elif not status.get("present") and not (module == "causal_conv1d" and conv is not None):
             found.append(
                 Finding(
                     "info",
@@ -277,6 +283,8 @@ def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
                     "./uvw sync --group gpu (on a CUDA machine; the GPU image has them)",
                 )
             )
+    if conv is not None:
+        found.append(Finding("info", f"hybrid targets' causal conv on CUDA: {conv}"))
     return found
 
 
