@@ -25,6 +25,8 @@ REINSTALL = (
 )
 """The fix for an edited installed file (`./uvw sync --locked` sees the version installed and does nothing)."""
 EDITED_FILES_SHOWN = 5
+KERNEL_GROUPS = {"fla": "gpu", "causal_conv1d": "gpu --group causal-conv1d"}
+"""The uv groups that install each fast kernel (causal-conv1d is its own, optional group: it compiles)."""
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,8 @@ def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
                 Finding(
                     "warning",
                     f"{module} is installed but does not import: {status['error']}",
-                    f"./uvw sync --group gpu --reinstall-package {FAST_KERNELS.get(module, module)}",
+                    f"./uvw sync --group {KERNEL_GROUPS.get(module, 'gpu')} "
+                    f"--reinstall-package {FAST_KERNELS.get(module, module)}",
                 )
             )
         elif not status.get("present") and not (module == "causal_conv1d" and conv is not None):
