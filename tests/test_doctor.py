@@ -114,6 +114,12 @@ def test_doctor_names_the_causal_conv_a_hybrid_target_runs_on(
             "error": None,
         },
     }
+    from app.env.health import CONV_KERNELS
+    from app.model.causal_conv import fast_causal_conv
+
+    # The doctor's restatement (it must not import app.model) chooses as the model code does.
+    chosen = fast_causal_conv({"fla": fla, "causal_conv1d": causal_conv1d}, cuda=True)
+    assert chosen == conv and (conv is None or conv in CONV_KERNELS.values())
     infos = [f.message for f in assess({**fingerprint, "fast_kernels": kernels}) if f.level == "info"]
     named = [message for message in infos if message.startswith("hybrid targets' causal conv on CUDA: ")]
     assert named == ([f"hybrid targets' causal conv on CUDA: {conv}"] if conv else [])
