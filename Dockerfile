@@ -1,25 +1,34 @@
-# The dflash training image: the locked training stack from uv.lock, nothing else (docs/architecture.md, Containers).
+# The dflash training image: the locked training stack from uv.lock, nothing else (docs/containers.md).
 #
+#   base (once):    scripts/base-image.sh      Debian bookworm + Python 3.11 made with debootstrap: no
+#                                              container registry is needed, only Debian's archive
 #   GPU (default):  DOCKER_BUILDKIT=1 docker build -t dflash:latest \
 #                     --build-arg REVISION="$(git rev-parse HEAD)" \
 #                     --build-arg LOCK_SHA256="$(sha256sum uv.lock | cut -d' ' -f1)" .
-#   CPU smoke:      ... --build-arg BASE_IMAGE=local/bookworm-python:base \
-#                       --build-arg RUNTIME_IMAGE=local/bookworm-python:base --build-arg FAST_KERNELS=0 .
+#   CPU smoke:      ... --build-arg FAST_KERNELS=0 .
+#   causal-conv1d:  ... --build-arg CAUSAL_CONV1D=1 \
+#                       --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04 \
+#                       --build-arg RUNTIME_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 .
 #
-# Bases are pinned by tag. For bit-for-bit rebuilds pin them by digest as well, e.g.
-# nvidia/cuda:12.8.1-devel-ubuntu24.04@sha256:<digest from `docker buildx imagetools inspect`>.
-# CUDA 12.8 because Blackwell (sm_120) needs it and because PyPI's torch 2.10.0 is the cu128 build.
-# The -devel base carries nvcc for causal-conv1d; the runtime base is plain -runtime, not -cudnn:
-# the torch wheels bring their own cuDNN/cuBLAS/NCCL, and a second system copy only invites a mix-up.
-ARG BASE_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
-ARG RUNTIME_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# The CUDA 12.8 userspace comes from the locked wheels, not the base: torch 2.10.0+cu128 brings cudart,
+# cuDNN, cuBLAS and NCCL, and triton its ptxas. Only the driver's libcuda is missing, and the NVIDIA
+# container runtime mounts it at run time. So the default base is plain Debian with Python 3.11 (the
+# interpreter the lock is resolved for), which every builder can make; `debian:bookworm` from a registry
+# works as well. Hybrid targets run their causal conv on flash-linear-attention's Triton kernel. Only the
+# optional causal-conv1d variant compiles CUDA code and so needs nvcc: the nvidia/cuda -devel base.
+# Bases are pinned by tag; pin a registry base by digest as well for bit-for-bit rebuilds.
+ARG BASE_IMAGE=local/bookworm-python:base
+ARG RUNTIME_IMAGE=local/bookworm-python:base
 
 # ---------------------------------------------------------------------------------------------------
 FROM ${BASE_IMAGE} AS build
 
-# 1: the Qwen3.5/3.6 hybrid-target kernels (uv group `gpu`: flash-linear-attention, causal-conv1d, which
-# compiles against this stage's CUDA 12.8 nvcc). 0: CPU-only images (smoke tests, laptops).
+# 1: the Qwen3.5/3.6 hybrid-target kernels (flash-linear-attention from uv group `gpu`; pure Python
+# and Triton, nothing compiled here). 0: CPU-only images (smoke tests, laptops): the same recipe without them.
 ARG FAST_KERNELS=1
+# 1: also causal-conv1d (uv group `causal-conv1d`), compiled against this stage's nvcc (the nvidia/cuda -devel
+# base). 0 (default): hybrid targets' conv runs on flash-linear-attention's Triton kernel instead.
+ARG CAUSAL_CONV1D=0
 # Parallel nvcc jobs for causal-conv1d; lower it if the build runs out of memory.
 ARG MAX_JOBS=4
 # GPU generations causal-conv1d is compiled for (A100, H100/H200, B200, RTX PRO 6000 / RTX 50): no GPU is
@@ -31,8 +40,18 @@ ARG UV_VERSION=0.13.9
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV DEBIAN_FRONTEND=noninteractive
+# A mistyped variant must fail here, not build an image silently without its kernels.
+RUN case "$FAST_KERNELS/$CAUSAL_CONV1D" in \
+        0/0 | 1/0 | 1/1) ;; \
+        *) echo "FAST_KERNELS must be 0 or 1 and CAUSAL_CONV1D 0 or 1 (1 only with FAST_KERNELS=1)," \
+                "not FAST_KERNELS='$FAST_KERNELS' CAUSAL_CONV1D='$CAUSAL_CONV1D'" >&2; exit 1 ;; \
+    esac; \
+    if [ "$CAUSAL_CONV1D" = 1 ] && ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then \
+        echo "CAUSAL_CONV1D=1 compiles CUDA code: build on a base with nvcc (BASE_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04)" >&2; \
+        exit 1; \
+    fi
 # hadolint ignore=DL3008
-RUN if [ "$FAST_KERNELS" = 1 ]; then set -- python3-dev g++; fi; \
+RUN if [ "$CAUSAL_CONV1D" = 1 ]; then set -- python3-dev g++; fi; \
     apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates "$@" \
     && rm -rf /var/lib/apt/lists/*
@@ -65,6 +84,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     --mount=type=bind,source=pyproject.toml,target=pyproject.toml \
     --mount=type=secret,id=ca,target=/etc/ssl/certs/ca-certificates.crt \
     if [ "$FAST_KERNELS" = 1 ]; then set -- --group gpu; fi; \
+    if [ "$CAUSAL_CONV1D" = 1 ]; then set -- "$@" --group causal-conv1d; fi; \
     uv sync --locked --no-install-project --no-default-groups "$@"
 
 # Then the project, as a wheel the runtime stage installs on top of the dependencies.
@@ -86,8 +106,8 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ tini ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
-# Ubuntu images ship a uid-1000 `ubuntu` user; the run user takes that uid so bind mounts made by the
-# usual first host user are writable.
+# The run user takes uid 1000 so bind mounts made by the usual first host user are writable (the
+# nvidia/cuda Ubuntu bases ship a uid-1000 `ubuntu` user, which goes).
 ARG APP_UID=1000
 RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
     && groupadd --gid "${APP_UID}" dflash \
@@ -135,6 +155,7 @@ ARG REVISION=unknown
 ARG LOCK_SHA256=unknown
 ARG SOURCE_URL=unknown
 ARG FAST_KERNELS=1
+ARG CAUSAL_CONV1D=0
 ARG BASE_IMAGE
 ARG RUNTIME_IMAGE
 LABEL org.opencontainers.image.title="dflash-appliance" \
@@ -144,5 +165,6 @@ LABEL org.opencontainers.image.title="dflash-appliance" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.base.name="${RUNTIME_IMAGE}" \
       dflash.uv-lock.sha256="${LOCK_SHA256}" \
-      dflash.fast-kernels="${FAST_KERNELS}"
+      dflash.fast-kernels="${FAST_KERNELS}" \
+      dflash.causal-conv1d="${CAUSAL_CONV1D}"
 ENV DFLASH_IMAGE_REVISION=${REVISION}

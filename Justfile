@@ -37,6 +37,14 @@ config file=config *overrides:
 image-smoke *args:
     scripts/image-smoke.sh {{args}}
 
+# build the default (GPU) image and run its image tests: CUDA 12.8, sm_90/100/120, libraries, ptxas, fla (no GPU needed)
+image-smoke-gpu *args:
+    FAST_KERNELS=1 scripts/image-smoke.sh {{args}}
+
+# make the image's default base (Debian bookworm + Python 3.11) with debootstrap: `docker build .` needs it
+base-image:
+    scripts/base-image.sh
+
 # regenerate training data with the target through OpenAI-compatible servers (datagen.servers)
 datagen file=config *overrides:
     ./uvw run dflash datagen {{file}} {{overrides}}

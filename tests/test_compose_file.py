@@ -6,7 +6,11 @@ A cheap structural check for the default suite; the image tests (`just image-smo
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,21 @@ def gpu_devices(service: dict[str, Any]) -> list[dict[str, Any]]:
 def mount_target(volume: str) -> str:
     """`${DFLASH_DATA:-./data}:/data:ro` -> `/data` (the source may hold a `:-` default)."""
     return volume.rsplit("}:", 1)[-1].split(":")[1 if "}" not in volume else 0]
+
+
+def test_gpu_reservations_are_the_compose_spec_list_form(services):
+    """deploy.resources.reservations.devices as the compose spec documents it: a list of device requests,
+    each a mapping with `capabilities` (a list, required) and the GPUs by `device_ids` (a list of
+    strings) rather than `count` (the spec forbids both in one request)."""
+    for name in ("train", "build-cache", "datagen-server"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert isinstance(devices, list) and devices, name
+        for device in devices:
+            assert set(device) <= {"capabilities", "driver", "count", "device_ids", "options"}, name
+            assert isinstance(device["capabilities"], list) and "gpu" in device["capabilities"], name
+            assert isinstance(device["device_ids"], list), name
+            assert all(isinstance(entry, str) for entry in device["device_ids"]), name
+            assert "count" not in device, name
 
 
 def test_gpu_services_reserve_gpus_chosen_by_an_environment_variable(services):
@@ -77,7 +96,10 @@ def test_no_secret_is_written_into_compose_or_the_image(services):
         for key, value in (service.get("environment") or {}).items():
             assert not SECRET_NAME.search(key), f"{name}: secret {key}={value} belongs in the env file"
         if service["image"] == services["train"]["image"]:
-            assert service["env_file"] == ["${DFLASH_ENV_FILE:-dflash.env}"], name
+            # Optional, so a fresh clone starts without creating it; still the only source of secrets.
+            assert service["env_file"] == [{"path": "${DFLASH_ENV_FILE:-dflash.env}", "required": False}], (
+                name
+            )
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert not re.search(r"^(ENV|ARG) .*(KEY|SECRET|TOKEN|AWS_)", dockerfile, re.MULTILINE)
     # The build CA arrives as a BuildKit secret mount, never a COPY.
@@ -114,3 +136,42 @@ def test_train_passes_every_rendezvous_variable_the_launch_reads(services):
     passed = services["train"]["environment"]
     for name in ("NNODES", *C10D, *STATIC, WAIT_VARIABLE, "DFLASH_TORCHRUN_ARGS"):
         assert name in passed and passed[name] is None, name  # from the shell, never a value baked in
+
+
+def compose_v2() -> list[str] | None:
+    """The Compose v2 CLI (the `docker compose` plugin, or a v2 `docker-compose`), else None: v1
+    predates the optional env file's syntax."""
+    for command in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        done = subprocess.run([*command, "version", "--short"], capture_output=True, text=True, check=False)
+        if done.returncode == 0 and done.stdout.strip().lstrip("v").startswith("2."):
+            return command
+    return None
+
+
+def test_compose_config_validates_on_a_fresh_clone_without_an_env_file(tmp_path: Path):
+    """`docker compose config` as a new user runs it: no dflash.env, no .env, every profile."""
+    command = compose_v2()
+    if command is None:
+        pytest.skip(
+            "no Compose v2 CLI here (`docker compose` plugin); Compose v1 cannot read `required: false`"
+        )
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / "docker-compose.yml").write_text((ROOT / "docker-compose.yml").read_text())
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("DFLASH_", "COMPOSE_"))}
+    done = subprocess.run(
+        [*command, "--profile", "datagen", "--profile", "build-cache", "config", "--format", "json"],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    resolved = json.loads(done.stdout)["services"]
+    assert sorted(resolved) == ["build-cache", "datagen", "datagen-server", "train"]
+    (device,) = resolved["train"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"

@@ -94,6 +94,38 @@ def test_no_gpu_is_reported_cleanly(fingerprint: dict) -> None:
     assert "verdict:" in report.getvalue()
 
 
+@pytest.mark.parametrize(
+    ("fla", "causal_conv1d", "conv", "absent"),
+    [
+        # The default GPU image: flash-linear-attention only, its Triton conv stands in for causal-conv1d.
+        (True, False, "flash-linear-attention (Triton)", []),
+        (True, True, "causal-conv1d (CUDA)", []),
+        (False, False, None, ["fla", "causal_conv1d"]),
+    ],
+)
+def test_doctor_names_the_causal_conv_a_hybrid_target_runs_on(
+    fingerprint: dict, fla: bool, causal_conv1d: bool, conv: str | None, absent: list[str]
+) -> None:
+    kernels = {
+        "fla": {"present": fla, "version": "0.6.0" if fla else None, "error": None},
+        "causal_conv1d": {
+            "present": causal_conv1d,
+            "version": "1.7.0" if causal_conv1d else None,
+            "error": None,
+        },
+    }
+    from app.env.health import CONV_KERNELS
+    from app.model.causal_conv import fast_causal_conv
+
+    # The doctor's restatement (it must not import app.model) chooses as the model code does.
+    chosen = fast_causal_conv({"fla": fla, "causal_conv1d": causal_conv1d}, cuda=True)
+    assert chosen == conv and (conv is None or conv in CONV_KERNELS.values())
+    infos = [f.message for f in assess({**fingerprint, "fast_kernels": kernels}) if f.level == "info"]
+    named = [message for message in infos if message.startswith("hybrid targets' causal conv on CUDA: ")]
+    assert named == ([f"hybrid targets' causal conv on CUDA: {conv}"] if conv else [])
+    assert [m.split(" ")[0] for m in infos if "absent" in m] == absent
+
+
 def test_inductor_default_matches_torch() -> None:
     import importlib.util
 

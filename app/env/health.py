@@ -25,6 +25,8 @@ REINSTALL = (
 )
 """The fix for an edited installed file (`./uvw sync --locked` sees the version installed and does nothing)."""
 EDITED_FILES_SHOWN = 5
+KERNEL_GROUPS = {"fla": "gpu", "causal_conv1d": "gpu --group causal-conv1d"}
+"""The uv groups that install each fast kernel (causal-conv1d is its own, optional group: it compiles)."""
 
 
 @dataclass(frozen=True)
@@ -257,8 +259,18 @@ def _gpu_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     return [Finding("info", f"no GPU visible, CPU only ({checked})", fix)]
 
 
+CONV_KERNELS = {"causal_conv1d": "causal-conv1d (CUDA)", "fla": "flash-linear-attention (Triton)"}
+"""What a hybrid target's causal conv runs on when each kernel imports, preferred first: the choice of
+app.model.causal_conv.fast_causal_conv on CUDA, restated here because importing app.model brings in
+transformers, and the doctor must report a stack too broken to import it (tests keep the two in step)."""
+
+
 def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     kernels = fingerprint.get("fast_kernels") or {}
+    present = {module for module, status in kernels.items() if status.get("present")}
+    # Asked of a run on CUDA: the image is checked on machines without a GPU, and the answer is what
+    # its hybrid targets will run on the GPU host (causal-conv1d is optional where fla stands in).
+    conv = next((name for module, name in CONV_KERNELS.items() if module in present), None)
     found = []
     for module, status in kernels.items():
         if status.get("error"):
@@ -266,10 +278,11 @@ def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
                 Finding(
                     "warning",
                     f"{module} is installed but does not import: {status['error']}",
-                    f"./uvw sync --group gpu --reinstall-package {FAST_KERNELS.get(module, module)}",
+                    f"./uvw sync --group {KERNEL_GROUPS.get(module, 'gpu')} "
+                    f"--reinstall-package {FAST_KERNELS.get(module, module)}",
                 )
             )
-        elif not status.get("present"):
+        elif not status.get("present") and not (module == "causal_conv1d" and conv is not None):
             found.append(
                 Finding(
                     "info",
@@ -277,6 +290,8 @@ def _kernel_findings(fingerprint: dict[str, Any]) -> list[Finding]:
                     "./uvw sync --group gpu (on a CUDA machine; the GPU image has them)",
                 )
             )
+    if conv is not None:
+        found.append(Finding("info", f"hybrid targets' causal conv on CUDA: {conv}"))
     return found
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +23,57 @@ def compose_command() -> list[str]:
     return ["docker", "compose"]
 
 
+def is_compose_v1(command: list[str]) -> bool:
+    done = subprocess.run([*command, "version", "--short"], capture_output=True, text=True, check=False)
+    return done.stdout.strip().startswith("1.")
+
+
+INTERPOLATED = re.compile(r"\$\{(\w+):-([^}]*)\}")
+
+
+def for_compose_v1(file: Path, env: dict[str, str], directory: Path) -> Path:
+    """`file` as Compose v1 reads it: v1 predates `env_file: [{path, required: false}]`, so each such
+    entry becomes the plain path when that file exists and is dropped when it is optional and absent
+    (what v2 does with it). Only the `${NAME:-default}` form of the path is resolved."""
+    compose_file = yaml.safe_load(file.read_text())
+    for service in compose_file.get("services", {}).values():
+        entries = service.get("env_file")
+        if not isinstance(entries, list):
+            continue
+        kept = []
+        for entry in entries:
+            if not isinstance(entry, dict):
+                kept.append(entry)
+                continue
+            path = INTERPOLATED.sub(lambda m: env.get(m[1]) or m[2], entry["path"])
+            if entry.get("required", True) or (ROOT / path).is_file():
+                kept.append(path)
+        service["env_file"] = kept
+    copy = directory / f"v1-{file.name}"
+    copy.write_text(yaml.safe_dump(compose_file, sort_keys=False))
+    return copy
+
+
 def compose(
     args: list[str], env: dict[str, str], files: list[Path], timeout_s: float = COMPOSE_TIMEOUT_S
 ) -> subprocess.CompletedProcess[str]:
-    command = [*compose_command(), *(arg for file in files for arg in ("-f", str(file))), *args]
-    return subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
+    command = compose_command()
+    environment = {**os.environ, **env}
+    with tempfile.TemporaryDirectory() as scratch:
+        if is_compose_v1(command):
+            files = [for_compose_v1(file, environment, Path(scratch)) for file in files]
+            # Relative paths (build context, bind mounts) stay relative to the checkout, not the copies.
+            command = [*command, "--project-directory", str(ROOT)]
+        command = [*command, *(arg for file in files for arg in ("-f", str(file))), *args]
+        return subprocess.run(
+            command,
+            cwd=ROOT,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
 
 
 def without_gpu_reservations(merged: dict[str, Any]) -> dict[str, Any]:

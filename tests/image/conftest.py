@@ -22,11 +22,9 @@ from harness import (
     build,
     cpu_build_args,
     gpu_build_args,
+    measurements,
     stand_in_cache_entry,
 )
-
-measurements: dict[str, str] = {}
-"""Build times and image sizes, printed in pytest's terminal summary."""
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +52,7 @@ def cpu_image(docker_client: docker.DockerClient) -> str:
 
 @pytest.fixture(scope="session")
 def gpu_image(docker_client: docker.DockerClient) -> tuple[str, str]:
-    """The GPU variant (FAST_KERNELS=1: causal-conv1d compiled by nvcc, flash-linear-attention), built
+    """The default variant (FAST_KERNELS=1: flash-linear-attention, CUDA 12.8 from the torch wheels), built
     with a stand-in compile-cache entry in compile_cache/; returns the image and that entry's key."""
     with stand_in_cache_entry() as key:
         seconds = build(GPU_IMAGE, dockerfile=ROOT / "Dockerfile", context=ROOT, build_args=gpu_build_args())

@@ -120,3 +120,30 @@ def test_cpu_stack_regenerates_data_then_train_starts_on_it(
         ]
     finally:
         compose(["--profile", "datagen", "down", "--volumes", "--remove-orphans"], env, stack)
+
+
+def test_train_on_a_machine_without_a_gpu_fails_naming_the_gpu_not_a_traceback(
+    cpu_image: str, tmp_path: Path
+):
+    """`docker compose up train` from a fresh clone (no dflash.env, no .env) on this GPU-less engine: the
+    GPU reservation is refused by the engine before our code runs, in a line that names the NVIDIA GPU."""
+    env = {
+        "COMPOSE_PROJECT_NAME": f"dflash-nogpu-{tmp_path.name}".lower().replace("_", "-"),
+        "DFLASH_IMAGE": cpu_image,
+        "DFLASH_ENV_FILE": str(tmp_path / "absent.env"),  # a fresh clone has no env file
+        # Bind-mount sources of their own, so the run creates no directories in the checkout.
+        "DFLASH_DATA": str(writable_by_container(tmp_path / "data")),
+        "DFLASH_MODELS": str(writable_by_container(tmp_path / "models")),
+        "DFLASH_CHECKPOINTS": str(writable_by_container(tmp_path / "checkpoints")),
+        "DFLASH_SHM_SIZE": "64mb",
+    }
+    files = [ROOT / "docker-compose.yml"]
+    try:
+        up = compose(["up", "--no-build", "train"], env, files, timeout_s=300)
+        output = up.stdout + up.stderr
+        assert up.returncode != 0, output[-4000:]
+        assert "Traceback" not in output, output[-4000:]
+        named = [line for line in output.splitlines() if 'device driver "nvidia"' in line and "gpu" in line]
+        assert named, output[-4000:]
+    finally:
+        compose(["down", "--volumes", "--remove-orphans"], env, files)

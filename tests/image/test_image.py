@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 import docker
 import pytest
-from harness import git_revision, lock_sha256, locked_stack_fingerprint, run_container, writable_by_container
+from harness import (
+    git_revision,
+    lock_sha256,
+    locked_stack_fingerprint,
+    readable_by_container,
+    run_container,
+    writable_by_container,
+)
 
 pytestmark = pytest.mark.image
 
@@ -33,19 +41,37 @@ def test_image_is_the_locked_stack_run_by_a_non_root_user(docker_client: docker.
     assert {status["present"] for status in fingerprint["fast_kernels"].values()} == {False}
 
 
-@pytest.mark.timeout(3600)  # the first run builds the tiny-lm target in the container (minutes on 2 cores)
+def host_tiny_lm(tmp_path: Path) -> tuple[Path, str]:
+    """The built-in tiny-lm target as the host has it (built here once if not), copied where the image's
+    user can read it, and the path the image looks for it at: its key (architecture, recipe, corpus,
+    torch version) is the image's, both being the same locked stack, so the container does not spend
+    minutes of its smoke run training it again."""
+    from app.model.tiny_lm import ensure_tiny_lm
+
+    built = ensure_tiny_lm()
+    copy = tmp_path / "tiny-lm"
+    shutil.copytree(built, copy)
+    return readable_by_container(copy), f"/home/dflash/.cache/dflash/tiny-lm/{built.name}"
+
+
 def test_smoke_trains_and_exports(docker_client: docker.DockerClient, cpu_image: str, tmp_path: Path):
     runs = writable_by_container(tmp_path / "runs")
+    tiny_lm, tiny_lm_in_image = host_tiny_lm(tmp_path)
     done = run_container(
         docker_client,
         cpu_image,
         ["smoke", "runs/smoke"],
         volumes={
             str(runs): {"bind": "/app/runs", "mode": "rw"},
-            # Like compose's kernel-cache volume: the built tiny-lm target survives to the next run.
+            # Like compose's kernel-cache volume: kernels compiled by one run survive to the next.
             SMOKE_CACHE_VOLUME: {"bind": "/home/dflash/.cache/dflash", "mode": "rw"},
+            # Read-only: a key mismatch (a build attempt) fails loudly instead of training in the container.
+            str(tiny_lm): {"bind": tiny_lm_in_image, "mode": "ro"},
         },
-        timeout_s=3000,
+        timeout_s=840,
+    )
+    assert "tiny-lm: building" not in done.stderr, (
+        "the image trained tiny-lm again: its key differs from the host's"
     )
     assert done.exit_code == 0, (done.stdout + done.stderr)[-4000:]
     assert "smoke: ok" in done.stdout
