@@ -258,6 +258,9 @@ def git(repo: Path, *args: str) -> None:
     )
 
 
+@pytest.mark.skipif(
+    shutil.which("git") is None, reason="needs git to make a checkout (a fresh machine may have only Python)"
+)
 def test_edits_against_the_commit_are_recorded_and_an_edited_lock_is_a_problem(tmp_path: Path) -> None:
     """A checkout whose uv.lock and one file of app/ differ from its commit: the fingerprint names
     both; the lock is a problem whose fix restores it (`./uvw sync --locked` alone would install the
