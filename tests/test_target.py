@@ -370,3 +370,26 @@ def test_the_warm_up_reads_inductor_s_autotuning_from_the_timer_torch_s_autotune
         time.sleep(0.05)
     compiled, autotuned = compile_seconds()
     assert autotuned - autotuned_before >= 0.05 and compiled == compiled_before
+
+
+def test_a_whole_model_compiled_after_compile_target_traces_transformers_own_rope(monkeypatch):
+    """`compile_target` replaces transformers' `apply_rotary_pos_emb` for the whole process; a later
+    whole-model graph in that process (the decode step of local regeneration, `fullgraph`) traces
+    through it. There the replacement steps aside for transformers' own function: marking a dim
+    dynamic inside a trace is an error, and the enclosing graph fuses RoPE itself."""
+    from app.compile.apply import compile_target
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch.compiler.reset()
+    target = load_target(config_for({"architecture": ARCHITECTURES["qwen3"]}, [0, 3]), "cpu")
+    for modeling in target.rotary_modeling_modules():  # compile_target replaces it: restored after the test
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    compile_target(target)
+    input_ids = batch()[0]
+    try:
+        with torch.no_grad():
+            eager = target.model(input_ids=input_ids).logits
+            whole = torch.compile(target.model, fullgraph=True, dynamic=False)(input_ids=input_ids).logits
+        torch.testing.assert_close(whole, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.compiler.reset()

@@ -87,7 +87,9 @@ def _over_flat_tokens(compiled: Callable[..., torch.Tensor]) -> Callable[..., to
     """`compiled` called with its tensor arguments flattened to `[tokens, last dim]` (a view where
     the layout allows: a query split from a fused projection is read in place, a graph of its own),
     the token dim marked dynamic (a batch's is at least 2, above dynamo's size-1 specialisation),
-    the result viewed back to the first argument's leading dims."""
+    the result viewed back to the first argument's leading dims. Traced by an enclosing graph (a
+    whole-model compile later in the process, `compile_decode_step`), it is the module's own forward
+    (`inside_a_trace`)."""
 
     def flat(value: object) -> object:
         if not isinstance(value, torch.Tensor):
@@ -97,11 +99,21 @@ def _over_flat_tokens(compiled: Callable[..., torch.Tensor]) -> Callable[..., to
         return tokens
 
     def forward(*args: object, **kwargs: object) -> torch.Tensor:
+        if inside_a_trace():
+            return compiled(*args, **kwargs)
         leading = next(v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)).shape[:-1]
         output = compiled(*map(flat, args), **{name: flat(value) for name, value in kwargs.items()})
         return output.view(*leading, output.shape[-1])
 
     return forward
+
+
+def inside_a_trace() -> bool:
+    """Whether dynamo is tracing the caller into an enclosing graph. `compile_target`'s replacements
+    stay for the whole process (transformers' RoPE is a module-level function), so a later whole-model
+    compile traces through them; marking a dim dynamic there is an error, and that graph fuses these
+    operations itself."""
+    return torch.compiler.is_compiling()
 
 
 def _unrelated(view: torch.Tensor) -> torch.Tensor:
@@ -118,10 +130,11 @@ def _rotary_over_flat_tokens(
     `[B or 1, T, rotary dim]`) computed by `compiled` over `[B*T, heads, D]`, the token dim dynamic.
     The results come back token-major (`[B, T, heads, D]` in memory, viewed as `[B, heads, T, D]`):
     the layout attention kernels read natively, and in which their output needs no copy to go back
-    to `[B, T, hidden]`. Other layouts or call forms go to `original`."""
+    to `[B, T, hidden]`. Other layouts or call forms, and an enclosing graph's trace
+    (`inside_a_trace`), go to `original`."""
 
     def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1):
-        if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3:
+        if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() != 3 or inside_a_trace():
             return original(q, k, cos, sin, unsqueeze_dim)
         batch, _, length, _ = q.shape
 
