@@ -202,7 +202,8 @@ def test_the_local_engine_refuses_a_rerun_with_any_one_setting_changed(finished_
 
 def test_bench_decode_streams_the_config_s_prompts_and_profiles_its_step(tmp_path, tiny_lm_dir):
     """`dflash bench decode` on the local engine's own path: the prompts it renders (the two-turn record
-    refused as datagen refuses it), the decode line and a profile of the step's operators."""
+    refused as datagen refuses it), the decode line, the step alone against the stream's, and a profile
+    of the step's operators."""
     from app.bench.decode import run_decode_bench
 
     lines: list[str] = []
@@ -210,4 +211,10 @@ def test_bench_decode_streams_the_config_s_prompts_and_profiles_its_step(tmp_pat
     assert any(line.startswith("bench decode: 6 prompts of 7, shape DecodeShape(rows=4,") for line in lines)
     decoded = next(line for line in lines if line.startswith("decode: "))
     assert re.search(r"answer tokens in .* steps of 4 rows, [\d.]+ ms a step; answers filled \d+%", decoded)
+    alone = re.fullmatch(
+        r"bench decode: a step alone \(replayed back to back, the same rows\) ([\d.]+) ms, in the stream "
+        r"([\d.]+) ms: (\d+)% of the stream's step is outside the step itself \(.*\)",
+        lines[-2],
+    )
+    assert alone and float(alone[1]) > 0 and 0 <= int(alone[3]) < 100, lines[-2]
     assert "2 decode steps" in lines[-1] and "aten::" in lines[-1]  # on a CPU: host operators by self time

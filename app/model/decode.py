@@ -84,12 +84,16 @@ class DecodeStats:
         """Answer tokens per row-step: the rest went to reading prompts and to idle rows."""
         return self.answer_tokens / max(self.rows * self.steps, 1)
 
+    @property
+    def step_ms(self) -> float:
+        """Milliseconds a step after the prefill, the host's reads and refills included."""
+        return 1e3 * (self.seconds - self.prefill_s) / max(self.steps, 1)
+
     def describe(self) -> str:
-        step_ms = 1e3 * (self.seconds - self.prefill_s) / max(self.steps, 1)
         return (
             f"decode: {self.answer_tokens} answer tokens in {self.seconds:.1f} s "
             f"({self.answer_tokens / max(self.seconds, 1e-9):.0f} tok/s); prefill {self.prefill_s:.1f} s, then "
-            f"{self.steps} steps of {self.rows} rows, {step_ms:.2f} ms a step; answers filled {self.fill:.0%} "
+            f"{self.steps} steps of {self.rows} rows, {self.step_ms:.2f} ms a step; answers filled {self.fill:.0%} "
             f"of the row-steps (the rest read prompts or idled)"
         )
 
