@@ -594,9 +594,11 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
     decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=24), [])
     compile_decode_step(decoder)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     answers = decoder.decode(prompts)
     assert decoder.decode(prompts[::-1]) == answers[::-1]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == skips  # replayed as a CUDA graph
     for prompt, answer in zip(prompts, answers, strict=True):
         reference = target.model.generate(
             torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0

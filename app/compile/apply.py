@@ -69,13 +69,17 @@ def compile_target(target: TargetModel) -> int:
 def compile_decode_step(decoder: BatchDecoder) -> None:
     """Compile the target's batched decode step (`app.model.decode`) into CUDA graphs: one token per
     row through the whole model, at the decoder's one shape, so it compiles on its first call and
-    never again in the process (fullgraph: a graph break would be an error, not a quiet slow path).
+    never again in the process (fullgraph: a graph break would be an error, not a quiet slow path; so
+    is a graph inductor would not capture).
     Eager, a 30-layer target's step is hundreds of kernel launches from Python for a few microseconds
     of work each; replayed as a graph it runs at the GPU's pace."""
     if decoder.model.device.type != "cuda":
         raise RuntimeError("compile_decode_step: only on CUDA (CUDA graphs)")
     require_main_thread("the target's decode step")
-    decoder.step = torch.compile(decoder.decode_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
+    # "reduce-overhead"'s one option, plus an error where inductor would otherwise skip the graphs
+    # quietly (a mutated input, say) and launch every kernel from Python
+    options = {"triton.cudagraphs": True, "triton.cudagraph_or_error": True}
+    decoder.step = torch.compile(decoder.decode_step, options=options, dynamic=False, fullgraph=True)
 
 
 # transformers' own `apply_rotary_pos_emb` per modeling module, so compiling a second target of the
