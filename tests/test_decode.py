@@ -137,3 +137,23 @@ def test_a_decode_step_reads_each_kv_head_once_with_sdpa_s_result(target, monkey
     steps = decode.STOP_CHECK_EVERY  # the answers end within the first steps the host reads
     assert calls.count(1) == steps * layers and calls.count(3) == layers  # one prefill, then steps
     assert target.model.config._attn_implementation == "sdpa"
+
+
+def test_bench_decode_s_replayed_steps_run_the_stream_s_graph(target):
+    """`dflash bench decode` times and profiles steps replayed outside the stream; they must be the
+    stream's compiled graph (its packed attention, inference tensors), not a second one compiled for
+    the occasion. Dynamo's tracing and guards are real (backend eager)."""
+    from torch._dynamo.utils import counters
+
+    from app.bench.decode import replay_steps
+
+    torch.compiler.reset()
+    decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=4), [])
+    decoder.step = torch.compile(decoder.decode_step, backend="eager", dynamic=False, fullgraph=True)
+    try:
+        decoder.decode(MORE)
+        graphs = counters["stats"]["unique_graphs"]
+        replay_steps(decoder, 3)()
+        assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        torch.compiler.reset()

@@ -15,7 +15,7 @@ from app.config import RunConfig
 from app.datagen.local import local_decoder, render_prompt
 from app.datagen.prompts import load_prompts
 from app.errors import UserError
-from app.model.decode import BatchDecoder
+from app.model.decode import BatchDecoder, packed_attention
 
 
 def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Callable[[str], None]) -> None:
@@ -39,7 +39,7 @@ def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Cal
     decoder.decode(prompts)
     log(decoder.stats.describe())
     if profile_steps:
-        steps = _replay(decoder, profile_steps)
+        steps = replay_steps(decoder, profile_steps)
         steps()  # the replays' inputs are new tensors: any first-call cost stays out of the timing
         synchronize(decoder.model.device)
         started = time.monotonic()
@@ -55,19 +55,23 @@ def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Cal
         log(profile_table(steps, decoder.model.device, 15, f"{profile_steps} decode steps"))
 
 
-def _replay(decoder: BatchDecoder, count: int) -> Callable[[], None]:
+def replay_steps(decoder: BatchDecoder, count: int) -> Callable[[], None]:
     """`count` decode steps from the rows' state as the last call left it (no position < 0), each
     step's token the next one's input, as the stream feeds them."""
     device = decoder.model.device
-    step = decoder.first_step.max().clone()
-    last = torch.zeros(decoder.shape.rows, dtype=torch.long, device=device)
     vocab = decoder.model.config.get_text_config().vocab_size
-    noise = torch.zeros(decoder.shape.rows, vocab, device=device) if decoder.temperature else None
+    with torch.inference_mode():  # inference tensors, as the stream's: others would be a new graph
+        step = decoder.first_step.max().clone()
+        last = torch.zeros(decoder.shape.rows, dtype=torch.long, device=device)
+        noise = torch.zeros(decoder.shape.rows, vocab, device=device) if decoder.temperature else None
 
     @torch.inference_mode()
     def steps() -> None:
-        for _ in range(count):
-            last.copy_(decoder.step(last, decoder.prompts, decoder.lengths, decoder.first_step, step, noise))
-            step.add_(1)
+        with packed_attention(decoder.model):  # the stream's attention: anything else is another graph
+            for _ in range(count):
+                last.copy_(
+                    decoder.step(last, decoder.prompts, decoder.lengths, decoder.first_step, step, noise)
+                )
+                step.add_(1)
 
     return steps
