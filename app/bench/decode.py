@@ -1,6 +1,7 @@
 """`dflash bench decode CONFIG`: the local engine's decoder (`datagen.engine = "local"`) at the config's
 datagen shape, on the config's own prompts: answer tokens/s, how full its rows were, the time of a step
-in the stream against the same step alone (what the host's loop adds), and where a step's time goes. Nothing is written; `dflash datagen` prints the same decode line."""
+in the stream against the same step alone (the difference is what the stream adds around it), and where
+a step's time goes. Nothing is written; `dflash datagen` prints the same decode line."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Cal
         log(
             f"bench decode: a step alone (replayed back to back, the same rows) {alone_ms:.2f} ms, in the stream "
             f"{stream_ms:.2f} ms: {max(stream_ms - alone_ms, 0) / max(stream_ms, 1e-9):.0%} of the stream's step "
-            f"is outside the step itself (the host's reads, refills and launches)"
+            "is not the step itself"
         )
         log(profile_table(steps, decoder.model.device, 15, f"{profile_steps} decode steps"))
 
