@@ -207,7 +207,7 @@ def test_bench_decode_streams_the_config_s_prompts_and_profiles_its_step(tmp_pat
     from app.bench.decode import run_decode_bench
 
     lines: list[str] = []
-    run_decode_bench(config(tmp_path), count=7, profile_steps=2, log=lines.append)
+    run_decode_bench(config(tmp_path), count=7, profile_steps=8, log=lines.append)
     assert any(line.startswith("bench decode: 6 prompts of 7, shape DecodeShape(rows=4,") for line in lines)
     decoded = next(line for line in lines if line.startswith("decode: "))
     assert re.search(r"answer tokens in .* steps of 4 rows, [\d.]+ ms a step; answers filled \d+%", decoded)
@@ -216,5 +216,7 @@ def test_bench_decode_streams_the_config_s_prompts_and_profiles_its_step(tmp_pat
         r"([\d.]+) ms: (\d+)% of the stream's step is not the step itself",
         lines[-2],
     )
-    assert alone and float(alone[1]) > 0 and 0 <= int(alone[3]) < 100, lines[-2]
-    assert "2 decode steps" in lines[-1] and "aten::" in lines[-1]  # on a CPU: host operators by self time
+    assert alone and 0 <= int(alone[3]) < 100, lines[-2]
+    # per step, as the stream's figure is: the same forward at the same rows, well within 3x of it
+    assert 0 < float(alone[1]) < 3 * float(alone[2]), lines[-2]
+    assert "8 decode steps" in lines[-1] and "aten::" in lines[-1]  # on a CPU: host operators by self time

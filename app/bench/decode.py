@@ -41,7 +41,7 @@ def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Cal
     log(decoder.stats.describe())
     if profile_steps:
         steps = replay_steps(decoder, profile_steps)
-        steps()  # the replays' inputs are new tensors: any first-call cost stays out of the timing
+        steps()  # one untimed round first: a first call's costs stay out of the timing
         synchronize(decoder.model.device)
         started = time.monotonic()
         steps()
