@@ -153,6 +153,11 @@ class BatchDecoder:
         self.block_sparse = False
         """Whether the step's attention reads only the ring blocks a row uses (flex attention, set by
         `compile_decode_step`: fused only when compiled) rather than every slot under a dense mask."""
+        config = model.config.get_text_config()
+        self.query_group = config.num_attention_heads // getattr(
+            config, "num_key_value_heads", config.num_attention_heads
+        )
+        """Query heads per KV head: the queries of a row's packed attention (`packed_decode_attention`)."""
         self.key_slots = torch.arange(shape.cache_length, device=model.device)
         rows, device = shape.rows, model.device
         self.prompts = torch.zeros(rows, shape.max_prompt_tokens, dtype=torch.long, device=device)
@@ -310,7 +315,7 @@ class BatchDecoder:
 
         if self.block_sparse:
             visible: torch.Tensor | BlockMask = ring_blocks(
-                first_step, step, ring, self.shape.ring_block, written_since_first_step
+                first_step, step, ring, self.shape.ring_block, written_since_first_step, self.query_group
             )
         else:
             rows = torch.arange(first_step.shape[0], device=first_step.device)
@@ -412,11 +417,13 @@ def packed_decode_attention(
     is read once per KV head. transformers' SDPA path repeats the KV heads to the query heads first
     when compiled: a copy of the whole cache per layer and step, which reading it in place saves (BENCHMARKS.md,
     2026-12-03, second session). A prefill (several queries) is SDPA's."""
-    if isinstance(attention_mask, BlockMask):
-        out = flex_attention(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None
     rows, heads, length, dim = query.shape
     kv_heads = key.shape[1]
+    if isinstance(attention_mask, BlockMask):
+        # packed as below: flex's GQA path reads the cache once per query head, not per KV head
+        packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+        out = flex_attention(packed, key, value, block_mask=attention_mask, scale=scaling)
+        return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
     if length != 1 or kv_heads == heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
@@ -425,11 +432,17 @@ def packed_decode_attention(
 
 
 def ring_blocks(
-    first_step: torch.Tensor, step: torch.Tensor, ring: int, block: int, visible: Callable[..., torch.Tensor]
+    first_step: torch.Tensor,
+    step: torch.Tensor,
+    ring: int,
+    block: int,
+    visible: Callable[..., torch.Tensor],
+    queries: int = 1,
 ) -> BlockMask:
     """The flex block mask of one decode step: each row reads only the blocks of `block` slots its arc
     of the ring covers (the slots written from its `first_step` to `step`, wrapping at `ring`), and
-    inside them the slots `visible(row, slot)` allows. The arc starts in the block of slot
+    inside them the slots `visible(row, slot)` allows, for each of its `queries` (the query heads
+    packed onto one KV head, `packed_decode_attention`). The arc starts in the block of slot
     `first_step % ring`; it covers its offset in that block plus `step - first_step + 1` slots, at
     most the ring."""
     rows, blocks = first_step.shape[0], ring // block
@@ -447,7 +460,7 @@ def ring_blocks(
         order.to(torch.int32).view(rows, 1, 1, blocks),
         BLOCK_SIZE=block,
         mask_mod=mask_mod,
-        seq_lengths=(1, ring),
+        seq_lengths=(queries, ring),
     )
 
 
