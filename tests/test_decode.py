@@ -59,6 +59,35 @@ def test_rows_refilled_over_a_ring_of_slots_give_each_prompt_its_own_greedy_deco
     assert decoder.decode([]) == []
 
 
+def test_the_block_sparse_step_answers_as_the_dense_mask(target):
+    """The compiled step's attention (flex over the ring blocks a row's arc covers, `ring_blocks`)
+    over 7 prompts in 2 rows and a ring of 5 blocks of 8 slots that wraps several times: every
+    answer is the prompt's own greedy decode. (Eager flex on a CPU applies the mask to every slot:
+    which blocks are read is pinned by the next test, and on the GPU by the compiled step's test.)"""
+    shape = DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=15, ring_block=8)
+    assert shape.cache_length == 40
+    decoder = BatchDecoder(target.model, shape, [])
+    decoder.block_sparse = True
+    assert decoder.decode(MORE) == [greedy_reference(target, p, 15, None) for p in MORE]
+    assert decoder.stats.steps + 20 > 2 * shape.cache_length  # the ring wrapped
+
+
+def test_ring_blocks_list_each_row_s_arc_once_and_nothing_else():
+    """A row's blocks are those its arc of slots covers, from the block of its first slot on, each
+    once, wrapping at the end of the ring; the arc's end in a later block counts that block. Every
+    first step up to the step, at steps that end the arc at each offset of a block. (A row's first
+    step is never after the step: a refilled row starts at the next one.)"""
+    ring, block = 40, 8
+    for end in range(70, 70 + block):
+        first_step, step = torch.arange(end + 1), torch.tensor(end)
+        mask = decode.ring_blocks(first_step, step, ring, block, lambda row, slot: slot >= 0)
+        counts = mask.kv_num_blocks.view(-1).tolist()
+        order = mask.kv_indices.view(len(first_step), -1).tolist()
+        for first in range(end + 1):
+            arc = {(t % ring) // block for t in range(max(first, end - ring + 1), end + 1)}
+            assert set(order[first][: counts[first]]) == arc and counts[first] == len(arc), (first, end)
+
+
 def test_every_answer_ends_after_its_first_stop_token(target):
     free = [greedy_reference(target, prompt, 24, None) for prompt in MORE]
     stop = free[0][4]  # a token the first prompt's answer emits early; others run on or stop elsewhere

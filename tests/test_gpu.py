@@ -607,6 +607,27 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
     assert all(torch.isfinite(layer.keys).all() for layer in decoder.cache.layers)
 
 
+def test_the_compiled_step_reads_ring_blocks_and_answers_as_the_eager_dense_mask() -> None:
+    """The compiled step's flex attention over the ring blocks in use (`ring_blocks`, 64-slot blocks,
+    a ring of 4 of them that wraps as 2 rows take 6 prompts) gives the answers of the eager step's
+    dense mask (fp32): a block missing from a row's list, or one too many unmasked, changes them."""
+    from app.compile.apply import compile_decode_step
+    from app.model.decode import BatchDecoder, DecodeShape
+    from tests.test_speculative import random_target_config as small_random_target
+
+    raw = small_random_target()
+    raw["target"]["dtype"] = "fp32"
+    raw["train"]["device"] = "cuda"
+    target = load_target(validate_config(raw), "cuda")
+    prompts = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202], [7] * 30, [31, 2]]
+    shape = DecodeShape(rows=2, max_prompt_tokens=40, max_new_tokens=200, ring_block=64)
+    eager = BatchDecoder(target.model, shape, []).decode(prompts)
+    compiled = BatchDecoder(target.model, shape, [])
+    compile_decode_step(compiled)
+    assert compiled.block_sparse and shape.cache_length == 256
+    assert compiled.decode(prompts) == eager
+
+
 @pytest.mark.parametrize("objective", ["ce", "ce+tv", "ce+acceptance"])
 def test_each_objective_through_the_triton_chunk_equals_the_cpu_path(objective) -> None:
     """`drafter_loss` on CUDA (Triton CE chunk, flex attention; fp32) equals the CPU's, per objective."""

@@ -76,6 +76,7 @@ def compile_decode_step(decoder: BatchDecoder) -> None:
     if decoder.model.device.type != "cuda":
         raise RuntimeError("compile_decode_step: only on CUDA (CUDA graphs)")
     require_main_thread("the target's decode step")
+    decoder.block_sparse = True  # flex attention over the ring blocks in use: fused in this graph
     # "reduce-overhead"'s one option, plus an error where inductor would otherwise skip the graphs
     # quietly (a mutated input, say) and launch every kernel from Python
     options = {"triton.cudagraphs": True, "triton.cudagraph_or_error": True}

@@ -10,7 +10,10 @@ are refilled as they finish (continuous batching), at one shape:
    it wrote since its prompt began (a prompt and its answer never exceed the ring);
 2. one step feeds one token per row, `[rows, 1]`: the row's next prompt token while it reads its prompt,
    else the token it chose last. That step is the only thing a GPU run compiles (`app.compile.apply.
-   compile_decode_step`, CUDA graphs): its shape never changes, so it compiles once per process;
+   compile_decode_step`, CUDA graphs): its shape never changes, so it compiles once per process.
+   Compiled, its attention reads only the ring blocks a row's slots lie in (flex attention over
+   `ring_blocks`: a row early in its answer reads a block or two, not the whole ring); eager (eval's
+   replay, a CPU), SDPA reads every slot under the same rule as a dense mask;
 3. a row's answer ends after its first stop token or at `max_new_tokens`; then the row takes the next
    prompt. The host reads the chosen tokens every `STOP_CHECK_EVERY` steps (one small device read), so
    decoding never waits on it: a finished row idles until then.
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -45,6 +49,10 @@ STOP_CHECK_EVERY = 16
 
 PACKED_ATTENTION = "dflash_packed_decode"
 """The attention implementation a decode call runs the target with (`packed_decode_attention`)."""
+
+RING_BLOCK = 128
+"""Slots per block of the ring that the compiled step's attention reads or skips as a whole (flex
+attention's KV block); the ring is a whole number of them."""
 
 DecodeStep = Callable[..., torch.Tensor]
 """`(last [R], prompts [R, P], prompt_lengths [R], first_step [R], step [], noise [R, V] | None) ->
@@ -61,10 +69,13 @@ class DecodeShape:
     """The longest prompt a call may hold."""
     max_new_tokens: int
     """Most tokens generated per prompt (the stop token included)."""
+    ring_block: int = RING_BLOCK
+    """Slots per ring block (the ring is a whole number of them)."""
 
     @property
     def cache_length(self) -> int:
-        return self.max_prompt_tokens + self.max_new_tokens
+        """The ring's slots: a prompt and its answer, rounded up to whole `ring_block`s."""
+        return -(-(self.max_prompt_tokens + self.max_new_tokens) // self.ring_block) * self.ring_block
 
 
 @dataclass
@@ -139,6 +150,14 @@ class BatchDecoder:
         """The last `stream`'s cost (its figures grow while it runs)."""
         self.step: DecodeStep = self.decode_step
         """The decode step; `app.compile.apply.compile_decode_step` replaces it with its compiled self."""
+        self.block_sparse = False
+        """Whether the step's attention reads only the ring blocks a row uses (flex attention, set by
+        `compile_decode_step`: fused only when compiled) rather than every slot under a dense mask."""
+        config = model.config.get_text_config()
+        self.query_group = config.num_attention_heads // getattr(
+            config, "num_key_value_heads", config.num_attention_heads
+        )
+        """Query heads per KV head: the queries of a row's packed attention (`packed_decode_attention`)."""
         self.key_slots = torch.arange(shape.cache_length, device=model.device)
         rows, device = shape.rows, model.device
         self.prompts = torch.zeros(rows, shape.max_prompt_tokens, dtype=torch.long, device=device)
@@ -289,12 +308,22 @@ class BatchDecoder:
         prompt_token = prompts.gather(1, position.clamp(max=prompts.shape[1] - 1)[:, None])[:, 0]
         tokens = torch.where(reading, prompt_token, last)
         ring = self.shape.cache_length
-        written_at = step - torch.remainder(step - self.key_slots, ring)  # the step that last wrote a slot
-        visible = written_at[None, :] >= first_step[:, None]
+
+        def written_since_first_step(row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+            """Whether `slot` was last written at or after the row's `first_step` (the row's own)."""
+            return step - torch.remainder(step - slot, ring) >= first_step[row]
+
+        if self.block_sparse:
+            visible: torch.Tensor | BlockMask = ring_blocks(
+                first_step, step, ring, self.shape.ring_block, written_since_first_step, self.query_group
+            )
+        else:
+            rows = torch.arange(first_step.shape[0], device=first_step.device)
+            visible = written_since_first_step(rows[:, None], self.key_slots[None, :])[:, None, None, :]
         logits = self.model(
             input_ids=tokens[:, None],
             position_ids=position[:, None],
-            attention_mask=visible[:, None, None, :],
+            attention_mask=visible,
             cache=self.cache,
             use_cache=True,
             logits_to_keep=1,
@@ -390,11 +419,49 @@ def packed_decode_attention(
     2026-12-03, second session). A prefill (several queries) is SDPA's."""
     rows, heads, length, dim = query.shape
     kv_heads = key.shape[1]
+    if isinstance(attention_mask, BlockMask):
+        # packed as below: flex's GQA path reads the cache once per query head, not per KV head
+        packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+        out = flex_attention(packed, key, value, block_mask=attention_mask, scale=scaling)
+        return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
     if length != 1 or kv_heads == heads:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
+
+
+def ring_blocks(
+    first_step: torch.Tensor,
+    step: torch.Tensor,
+    ring: int,
+    block: int,
+    visible: Callable[..., torch.Tensor],
+    queries: int = 1,
+) -> BlockMask:
+    """The flex block mask of one decode step: each row reads only the blocks of `block` slots its arc
+    of the ring covers (the slots written from its `first_step` to `step`, wrapping at `ring`), and
+    inside them the slots `visible(row, slot)` allows, for each of its `queries` (the query heads
+    packed onto one KV head, `packed_decode_attention`). The arc starts in the block of slot
+    `first_step % ring`; it covers its offset in that block plus `step - first_step + 1` slots, at
+    most the ring."""
+    rows, blocks = first_step.shape[0], ring // block
+    start = torch.remainder(first_step, ring)
+    count = torch.clamp((start % block + step - first_step + block) // block, max=blocks)
+    order = torch.remainder(start[:, None] // block + torch.arange(blocks, device=step.device), blocks)
+
+    def mask_mod(
+        row: torch.Tensor, head: torch.Tensor, query: torch.Tensor, slot: torch.Tensor
+    ) -> torch.Tensor:
+        return visible(row, slot)
+
+    return BlockMask.from_kv_blocks(
+        count.to(torch.int32).view(rows, 1, 1),
+        order.to(torch.int32).view(rows, 1, 1, blocks),
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=(queries, ring),
+    )
 
 
 def batch_decoder(
