@@ -5,6 +5,8 @@ its own greedy decode, stop where a serving engine stops, and sample reproducibl
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -168,21 +170,48 @@ def test_a_decode_step_reads_each_kv_head_once_with_sdpa_s_result(target, monkey
     assert target.model.config._attn_implementation == "sdpa"
 
 
-def test_bench_decode_s_replayed_steps_run_the_stream_s_graph(target):
-    """`dflash bench decode` times and profiles steps replayed outside the stream; they must be the
-    stream's compiled graph (its packed attention, inference tensors), not a second one compiled for
-    the occasion. Dynamo's tracing and guards are real (backend eager)."""
+def test_the_warm_up_and_bench_decode_s_replays_run_the_stream_s_graph(target):
+    """`warm_up` compiles the step before a stream (datagen's figures are then the stream's own), and
+    `dflash bench decode` times and profiles replayed steps: both must be the stream's compiled graph
+    (its packed attention, inference tensors), not a second one compiled for the occasion. Dynamo's
+    tracing and guards are real (backend eager)."""
     from torch._dynamo.utils import counters
-
-    from app.bench.decode import replay_steps
 
     torch.compiler.reset()
     decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=4), [])
     decoder.step = torch.compile(decoder.decode_step, backend="eager", dynamic=False, fullgraph=True)
     try:
-        decoder.decode(MORE)
         graphs = counters["stats"]["unique_graphs"]
-        replay_steps(decoder, 3)()
-        assert counters["stats"]["unique_graphs"] == graphs
+        decoder.warm_up()
+        assert counters["stats"]["unique_graphs"] == graphs + 1
+        assert decoder.decode(MORE) == [greedy_reference(target, p, 4, None) for p in MORE]
+        decoder.replayed_steps(3)()
+        assert counters["stats"]["unique_graphs"] == graphs + 1
+    finally:
+        torch.compiler.reset()
+
+
+def test_the_prefill_compiles_nothing_where_compile_target_ran(monkeypatch):
+    """`compile_target` (a training run's target) replaces transformers' RoPE for the whole process;
+    a decoder's eager prefill in that process must not compile it again for its inference tensors
+    (on the GPU tier that was a recompile after another test's warm-up): the stream compiles its
+    step and nothing else."""
+    from torch._dynamo.utils import counters
+
+    from app.compile.apply import compile_target
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    fresh = target_and_drafter(random_target_config())[0]  # compile_target changes its modules
+    for modeling in fresh.rotary_modeling_modules():  # and the module-level RoPE: restored after
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    references = [greedy_reference(fresh, p, 4, None) for p in MORE]  # eager, before compile_target
+    torch.compiler.reset()
+    try:
+        assert compile_target(fresh) > 0
+        decoder = BatchDecoder(fresh.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=4), [])
+        decoder.step = torch.compile(decoder.decode_step, dynamic=False, fullgraph=True)
+        graphs = counters["stats"]["unique_graphs"]
+        assert decoder.decode(MORE) == references
+        assert counters["stats"]["unique_graphs"] == graphs + 1
     finally:
         torch.compiler.reset()

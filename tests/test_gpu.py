@@ -578,8 +578,9 @@ def test_the_compiled_target_matches_eager_and_a_new_shape_compiles_nothing(
 
 
 def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_target() -> None:
-    """Local regeneration's decode step (`compile_decode_step`): one graph for every call of the
-    decoder's shape, each prompt answered as the target answers it alone (fp32, so that an argmax does
+    """Local regeneration's decode step (`compile_decode_step`): one graph, compiled by the warm-up,
+    for every call of the decoder's shape (nothing else compiles, also where an earlier test's
+    `compile_target` replaced transformers' RoPE), each prompt answered as the target answers it alone (fp32, so that an argmax does
     not turn on bf16 rounding) also when rows take new prompts mid-call and wrap the ring of slots, no
     NaN from the pad rows' masked keys."""
     from app.compile.apply import compile_decode_step
@@ -595,6 +596,7 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
     compile_decode_step(decoder)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    assert decoder.warm_up() > 0  # compiles here: the stream below compiles nothing more
     answers = decoder.decode(prompts)
     assert decoder.decode(prompts[::-1]) == answers[::-1]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1

@@ -8,19 +8,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import torch
-
 from app.bench.profile import profile_table
 from app.compile.warmup import synchronize
 from app.config import RunConfig
 from app.datagen.local import local_decoder, render_prompt
 from app.datagen.prompts import load_prompts
 from app.errors import UserError
-from app.model.decode import BatchDecoder, packed_attention
 
 
 def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Callable[[str], None]) -> None:
-    """Decode the first `count` prompts of `datagen.prompts` (after one compiling call), then profile
+    """Decode the first `count` prompts of `datagen.prompts` (the step warmed up first), then profile
     `profile_steps` decode steps."""
     from app.model.loading import load_tokenizer
 
@@ -32,15 +29,12 @@ def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Cal
         raise UserError(
             f"bench decode: no prompt in {', '.join(config.datagen.prompts)} the local engine answers"
         )
-    decoder = local_decoder(config, tokenizer, prompts)
-    started = time.monotonic()
-    decoder.decode(prompts[:1])  # the step compiles on its first call (CUDA)
-    log(f"bench decode: first call (compiles the step on CUDA) {time.monotonic() - started:.1f} s")
+    decoder = local_decoder(config, tokenizer, prompts, lambda message: log(f"bench decode: {message}"))
     log(f"bench decode: {len(prompts)} prompts of {len(records)}, shape {decoder.shape}")
     decoder.decode(prompts)
     log(decoder.stats.describe())
     if profile_steps:
-        steps = replay_steps(decoder, profile_steps)
+        steps = decoder.replayed_steps(profile_steps)
         steps()  # one untimed round first: a first call's costs stay out of the timing
         synchronize(decoder.model.device)
         started = time.monotonic()
@@ -54,25 +48,3 @@ def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Cal
             "is not the step itself"
         )
         log(profile_table(steps, decoder.model.device, 15, f"{profile_steps} decode steps"))
-
-
-def replay_steps(decoder: BatchDecoder, count: int) -> Callable[[], None]:
-    """`count` decode steps from the rows' state as the last call left it (no position < 0), each
-    step's token the next one's input, as the stream feeds them."""
-    device = decoder.model.device
-    vocab = decoder.model.config.get_text_config().vocab_size
-    with torch.inference_mode():  # inference tensors, as the stream's: others would be a new graph
-        step = decoder.first_step.max().clone()
-        last = torch.zeros(decoder.shape.rows, dtype=torch.long, device=device)
-        noise = torch.zeros(decoder.shape.rows, vocab, device=device) if decoder.temperature else None
-
-    @torch.inference_mode()
-    def steps() -> None:
-        with packed_attention(decoder.model):  # the stream's attention: anything else is another graph
-            for _ in range(count):
-                last.copy_(
-                    decoder.step(last, decoder.prompts, decoder.lengths, decoder.first_step, step, noise)
-                )
-                step.add_(1)
-
-    return steps

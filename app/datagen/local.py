@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,12 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
             )
             run.flush(force=True)
             return run.report
-        decoder = local_decoder(config, tokenizer, [p.ids for p in ready])
+        decoder = local_decoder(
+            config,
+            tokenizer,
+            [p.ids for p in ready],
+            lambda message: console.print(f"datagen: {message}", highlight=False),
+        )
         store.record_settings(settings)
         run.generate(ready, decoder, tokenizer)
         console.print(decoder.stats.describe(), highlight=False)
@@ -81,9 +87,16 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
         store.close()
 
 
-def local_decoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]]) -> Any:
+def local_decoder(
+    config: RunConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    log: Callable[[str], None],
+) -> Any:
     """The run's target and its batched decoder for `prompts` (`datagen.local_rows` rows, the longest
-    prompt, `datagen.max_tokens`; on CUDA its step compiled, kernels in the run's inductor directory)."""
+    prompt, `datagen.max_tokens`; on CUDA its step compiled and warmed up before any prompt, so that
+    the stream's figures are its own: the kernels in the run's inductor directory, `log` told how
+    long it took)."""
     from app.model.decode import BatchDecoder, DecodeShape
     from app.model.loading import pick_device, stop_token_ids
     from app.model.target import load_target
@@ -111,6 +124,10 @@ def local_decoder(config: RunConfig, tokenizer: PreTrainedTokenizerBase, prompts
         from app.compile.apply import compile_decode_step
 
         compile_decode_step(decoder)
+        log(
+            f"the decode step compiled and captured in {decoder.warm_up():.1f} s "
+            f"(rows {shape.rows}, ring {shape.cache_length} slots; once per process, its kernels cached)"
+        )
     return decoder
 
 

@@ -224,6 +224,42 @@ class BatchDecoder:
                 stats.steps += STOP_CHECK_EVERY
                 stats.seconds = time.monotonic() - started
 
+    def warm_up(self) -> float:
+        """A prefill of one token, then one step: a compiled step compiles and captures its graph here
+        (on the cache as a stream's prefill leaves it), not in the stream's first steps, whose timing
+        would carry it; seconds."""
+        started = time.monotonic()
+        with torch.inference_mode(), packed_attention(self.model):
+            generator = torch.Generator(device=self.model.device)
+            self._prefill([[self.pad_token_id]], deque([0]), [None] * self.shape.rows, generator)
+        self.replayed_steps(1)()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.monotonic() - started
+
+    def replayed_steps(self, count: int) -> Callable[[], None]:
+        """`count` decode steps from the rows' state as the last call left it (no position < 0), each
+        step's token the next one's input, as the stream feeds them: the stream's own graph (its packed
+        attention, inference tensors; anything else would be a second graph compiled for the occasion)."""
+        device = self.model.device
+        vocab = self.model.config.get_text_config().vocab_size
+        with torch.inference_mode():
+            step = self.first_step.max().clone()
+            last = torch.zeros(self.shape.rows, dtype=torch.long, device=device)
+            noise = torch.zeros(self.shape.rows, vocab, device=device) if self.temperature else None
+
+        @torch.inference_mode()
+        def steps() -> None:
+            with packed_attention(self.model):
+                for _ in range(count):
+                    last.copy_(self.step(last, self.prompts, self.lengths, self.first_step, step, noise))
+                    step.add_(1)
+
+        return steps
+
+    # eager: a compiled function it meets (`compile_target`'s RoPE, replaced for the whole process) must
+    # not compile again for these inference tensors
+    @torch.compiler.set_stance("force_eager")
     def _prefill(
         self, prompts: Sequence[Sequence[int]], queue: deque[int], held: list, generator: torch.Generator
     ) -> tuple[torch.Tensor, int]:
