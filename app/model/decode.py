@@ -456,7 +456,7 @@ def packed_decode_attention(
     rows, heads, length, dim = query.shape
     kv_heads = key.shape[1]
     if isinstance(attention_mask, BlockMask):
-        # packed as below: flex's GQA path reads the cache once per query head, not per KV head
+        # packed as below, not flex's own GQA handling: 3.5x faster (BENCHMARKS.md, 2026-12-03, fifth session)
         packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
         out = flex_attention(packed, key, value, block_mask=attention_mask, scale=scaling)
         return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
