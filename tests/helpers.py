@@ -106,15 +106,19 @@ def small_config(data: Path, run_dir: Path, *extra: str) -> RunConfig:
     return load_config(ROOT / "configs" / "tiny.toml", overrides)
 
 
+def random_tiny_lm_architecture() -> dict:
+    """tiny-lm's architecture for seeded random weights. initializer_range 0.5: logits as large as a
+    trained model's, so the loss falls steeply and its curve is sensitive to the learning rate (at
+    HF's default 0.02 a 1% change moves it by 1e-5)."""
+    return {**BUILTIN_TARGETS["tiny-lm"], "initializer_range": 0.5}
+
+
 def random_target_config(tokenizer_dir: Path, data: Path, run_dir: Path, **train) -> RunConfig:
     """configs/tiny.toml over a seeded random-weight target of tiny-lm's architecture: the same weights
     on every machine (tiny-lm itself is trained on each machine, and its last bits differ between
     CPUs), and nothing to build first. `train` sets `[train]` fields."""
     raw = tomllib.loads((ROOT / "configs" / "tiny.toml").read_text())
-    # initializer_range 0.5: logits as large as a trained model's, so the loss falls steeply and its
-    # curve is sensitive to the learning rate (at HF's default 0.02 a 1% change moves it by 1e-5)
-    architecture = {**BUILTIN_TARGETS["tiny-lm"], "initializer_range": 0.5}
-    raw["target"] = {"architecture": architecture, "tokenizer": str(tokenizer_dir)}
+    raw["target"] = {"architecture": random_tiny_lm_architecture(), "tokenizer": str(tokenizer_dir)}
     raw["data"]["train_files"] = [str(data)]
     raw["train"].update(output_dir=str(run_dir), **train)
     return validate_config(raw)

@@ -37,7 +37,13 @@ from app.telemetry.hardware import datasheet_peak
 from app.train.metrics import NonFiniteLoss
 from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import Trainer
-from tests.helpers import SMALL_VOCAB, random_target_config, run_dflash, small_drafter_raw_config
+from tests.helpers import (
+    SMALL_VOCAB,
+    random_target_config,
+    random_tiny_lm_architecture,
+    run_dflash,
+    small_drafter_raw_config,
+)
 from tests.jobs import ROOT, child_environment
 
 pytestmark = pytest.mark.gpu
@@ -628,6 +634,40 @@ def test_the_compiled_step_reads_ring_blocks_and_answers_as_the_eager_dense_mask
     compile_decode_step(compiled)
     assert compiled.block_sparse and shape.cache_length == 256
     assert compiled.decode(prompts) == eager
+
+
+def test_local_datagen_compiles_its_decode_step_before_the_first_prompt(
+    tiny_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """`dflash datagen` with the local engine on CUDA: the decode step compiles into CUDA graphs and
+    is captured before the first prompt (a line of its own says how long), after which the stream
+    compiles nothing; each record is the eager target's greedy answer (fp32, so that an argmax does
+    not turn on rounding)."""
+    import io
+
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from app.datagen.local import run_local_datagen
+    from tests.test_local_datagen import assert_greedy_answers, config, rows
+
+    target = {
+        "architecture": random_tiny_lm_architecture(),
+        "tokenizer": str(tiny_tokenizer_dir),
+        "dtype": "fp32",
+    }
+    run = config(tmp_path, target=target, train={"device": "cuda", **ON_ANY_STACK})
+    output = io.StringIO()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    report = run_local_datagen(run, Console(file=output, width=200))
+    assert (report.done, report.failed) == (6, 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # the step, once
+    log = output.getvalue()
+    assert re.search(r"datagen: the decode step compiled and captured in \d+\.\d s", log), log
+    assert log.index("compiled and captured") < log.index("records to generate")
+    assert_greedy_answers(
+        rows(tmp_path / "out"), run, AutoTokenizer.from_pretrained(tiny_tokenizer_dir), "cuda"
+    )
 
 
 @pytest.mark.parametrize("objective", ["ce", "ce+tv", "ce+acceptance"])

@@ -43,12 +43,13 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def config(tmp_path: Path, **datagen):
+def config(tmp_path: Path, target: dict | None = None, train: dict | None = None, **datagen):
+    """tiny-lm (or `target`) answering `write_prompts`' records on the CPU (or `train`'s device)."""
     return validate_config(
         {
-            "target": {"builtin": "tiny-lm"},
+            "target": target or {"builtin": "tiny-lm"},
             "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 5},
-            "train": {"device": "cpu"},
+            "train": train or {"device": "cpu"},
             "datagen": {
                 "engine": "local",
                 "prompts": [str(write_prompts(tmp_path / "prompts.jsonl"))],
@@ -68,17 +69,10 @@ def rows(output: Path) -> list[dict]:
     ]
 
 
-def test_the_targets_own_greedy_answers_in_datagen_records_and_a_rerun_resumes(tmp_path, tiny_lm_dir):
-    run = config(tmp_path)
-    report = run_local_datagen(run, quiet_console())
-    assert (report.done, report.failed, report.resumed) == (6, 1, 0) and report.exit_code == 0
-    written = rows(tmp_path / "out")
-    assert sorted(row["id"] for row in written) == [f"p{i}" for i in range(6)]
-    rejects = (tmp_path / "out" / ".datagen" / "rejects.jsonl").read_text()
-    assert '"id": "multi"' in rejects and "answers one assistant turn" in rejects
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
-    target = load_target(run, "cpu")
+def assert_greedy_answers(written: list[dict], run, tokenizer, device: str) -> None:
+    """Each record's answer is the target's own greedy decode of its rendered prompt (eager, one
+    prompt at a time), cut at the stop token; its finish reason and domain are the record's."""
+    target = load_target(run, device)
     for row in written:
         user = row["messages"][0]["content"]
         text = tokenizer.apply_chat_template(
@@ -94,7 +88,20 @@ def test_the_targets_own_greedy_answers_in_datagen_records_and_a_rerun_resumes(t
         )
         assert row["finish_reasons"] == ["stop" if stopped else "length"]
         assert row["domain"] == ("prose" if int(row["id"][1]) % 2 else "code")
-        assert row["model"] == "builtin:tiny-lm" and row["messages"][1]["role"] == "assistant"
+        assert row["messages"][1]["role"] == "assistant"
+
+
+def test_the_targets_own_greedy_answers_in_datagen_records_and_a_rerun_resumes(tmp_path, tiny_lm_dir):
+    run = config(tmp_path)
+    report = run_local_datagen(run, quiet_console())
+    assert (report.done, report.failed, report.resumed) == (6, 1, 0) and report.exit_code == 0
+    written = rows(tmp_path / "out")
+    assert sorted(row["id"] for row in written) == [f"p{i}" for i in range(6)]
+    rejects = (tmp_path / "out" / ".datagen" / "rejects.jsonl").read_text()
+    assert '"id": "multi"' in rejects and "answers one assistant turn" in rejects
+
+    assert_greedy_answers(written, run, AutoTokenizer.from_pretrained(tiny_lm_dir), "cpu")
+    assert all(row["model"] == "builtin:tiny-lm" for row in written)
 
     # a kill lost the last shard: the rerun answers exactly its records again, and only those
     shards = sorted((tmp_path / "out").glob("part-*.parquet"))
