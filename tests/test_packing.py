@@ -11,13 +11,7 @@ from app.config.schema import DataConfig
 from app.data.batch import TargetBatch
 from app.data.batching import BatchPlanner, DataCursor, collate
 from app.data.dataset import load_tokenized
-from app.data.packing import (
-    anchor_candidates,
-    pack_features,
-    pack_row,
-    pad_features,
-    real_token_features,
-)
+from app.data.packing import anchor_candidates, pack_features, pack_row, packed_features, token_index
 from app.data.tokenize import pad_token_id
 
 PAD = 0
@@ -95,18 +89,36 @@ def test_features_land_on_their_tokens_and_padding_is_zero():
     assert packed.features[:real, 0].tolist() == row.document_ids[:real].float().tolist()
     assert packed.features[:real, 1].tolist() == row.position_ids[:real].float().tolist()
     assert packed.features[real:].eq(0).all()
-    # the transport seam: target ranks send only real tokens' features, drafter ranks pad them
-    travelling = real_token_features(batch, features)
-    assert tuple(travelling.shape) == (real, 2)
-    assert torch.equal(pad_features(travelling, BUDGET), packed.features)
+    # the definition: the real tokens' features in row order (a boolean mask), then zeros
+    reference = torch.zeros(BUDGET, 2)
+    reference[:real] = features[batch.attention_mask.bool()]
+    assert torch.equal(packed.features, reference)
+
+
+def test_token_index_places_each_packed_token_in_the_flattened_batch():
+    batch = target_batch()
+    index = token_index(batch, BUDGET)
+    real = int(batch.attention_mask.sum())
+    assert index.dtype == torch.int64 and tuple(index.shape) == (BUDGET,)
+    flat_ids = batch.input_ids.reshape(-1)
+    assert flat_ids[index[:real]].tolist() == pack(batch).input_ids[:real].tolist()
+    assert index[real:].eq(0).all()
+
+
+def test_packed_features_zero_the_padding_whatever_the_index_points_at():
+    features = torch.arange(12.0).view(1, 6, 2) + 1  # no zero feature anywhere
+    index = torch.tensor([5, 0, 2, 0])
+    document_ids = torch.tensor([0, 0, 0, -1], dtype=torch.int32)
+    packed = packed_features(features, index, document_ids)
+    assert packed.tolist() == [[11.0, 12.0], [1.0, 2.0], [5.0, 6.0], [0.0, 0.0]]
 
 
 def test_feature_shape_mismatch_and_overflow_are_refused():
     batch = target_batch()
-    with pytest.raises(ValueError, match="do not match the batch's tokens"):
-        real_token_features(batch, torch.zeros(3, 6, 4))
-    with pytest.raises(ValueError, match="do not fit token_budget=4"):
-        pad_features(torch.zeros(5, 2), 4)
+    with pytest.raises(ValueError, match="expected \\[rows, length, K\\*H\\]"):
+        packed_features(torch.zeros(6, 4), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="more than token_budget=4"):
+        token_index(batch, 4)
     with pytest.raises(ValueError, match="more than token_budget=8"):
         pack_row(batch, token_budget=8, anchors=2, pad_token_id=PAD, seed=0, epoch=0, index=0)
 

@@ -30,8 +30,10 @@ from app.compile.guard import (
 )
 from app.compile.key import cache_key, key_fields
 from app.compile.library_jit import LibraryJitCounter, counting_triton_compiles
+from app.compile.target_graphs import GraphedTargetFeatures
 from app.compile.warmup import TrainingStep, compile_seconds, warm_up_drafter, warm_up_target
 from app.config.schema import RunConfig
+from app.data.shapes import TargetShapes
 from app.model.target import TargetModel
 
 Log = Callable[[str], None]
@@ -66,6 +68,8 @@ class CompileReport:
     no baked Triton cache was loaded (then nothing says what is new)."""
     library_jit_source: str = ""
     """The loaded entry whose kernels a later compile lacked."""
+    target_forward: GraphedTargetFeatures | None = None
+    """The target's CUDA graphs (`compile.target_cuda_graphs`), captured after its warm-up."""
 
     @property
     def warmup_counters(self) -> CompileCounters:
@@ -138,6 +142,8 @@ def prepare_compiled_training(
     )
     if target_line:
         log(target_line)
+    if target is not None and config.compile.target_cuda_graphs:
+        report.target_forward = capture_target_graphs(config, target, log)
 
     report.problems += _reported_cache_use(report.warmup_counters, report.cache_loaded, config, log)
 
@@ -151,6 +157,16 @@ def prepare_compiled_training(
     if compile_config.fail_on_recompile:
         enter_steady_state()
     return report
+
+
+def capture_target_graphs(config: RunConfig, target: TargetModel, log: Log) -> GraphedTargetFeatures:
+    """The target's forward captured at every batch shape of the run (after its warm-up, on the main
+    thread, before the fail_on_recompile stance: a shape that compiled anything would say so now)."""
+    graphs = GraphedTargetFeatures(
+        target, TargetShapes.from_config(config.data).all, config.data.token_budget
+    )
+    log(graphs.describe())
+    return graphs
 
 
 def _load_matching_entry(
@@ -220,17 +236,22 @@ def prepare_target_rank(config: RunConfig, device: torch.device | str, log: Log)
     return entry.path
 
 
-def start_target_rank(config: RunConfig, target: TargetModel, cache_loaded: bool, log: Log) -> None:
+def start_target_rank(
+    config: RunConfig, target: TargetModel, cache_loaded: bool, log: Log
+) -> GraphedTargetFeatures | None:
     """A target rank's compile and warm-up, on its main thread before its preparer thread exists:
     compile the target's norms, MLPs and RoPE, warm up at both ends of the shape set, check the cache
     counters like a drafter rank (`cache_loaded`: `prepare_target_rank` found the entry), then take the
-    fail_on_recompile stance (wrap forwards in `app.compile.recompile_errors()`). CUDA only."""
+    fail_on_recompile stance (wrap forwards in `app.compile.recompile_errors()`). CUDA only. Returns the
+    target's CUDA graphs with `compile.target_cuda_graphs`, else None."""
     compile_target(target)
     before = read_counters()
     log(warm_up_target(config, target, target.device))
+    graphs = capture_target_graphs(config, target, log) if config.compile.target_cuda_graphs else None
     _reported_cache_use(read_counters() - before, cache_loaded, config, log)
     if config.compile.fail_on_recompile:
         enter_steady_state()
+    return graphs
 
 
 def _reported_cache_use(

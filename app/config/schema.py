@@ -326,7 +326,7 @@ class TopologyConfig(Section):
     """Processes (GPUs) per node (torchrun --nproc-per-node)."""
 
     prefetch_batches: int = Field(4, ge=1)
-    """`q_pre`: target batches prepared ahead per target rank."""
+    """`q_pre`: target batches prepared ahead per target rank (on a colocated rank: rounds of its batches)."""
 
     feature_queue: int = Field(4, ge=1)
     """`q_hs`: feature batches received and waiting per drafter rank (backpressure beyond)."""
@@ -371,6 +371,11 @@ class CompileConfig(Section):
 
     fail_on_recompile: bool = True
     """After warm-up, a recompile stops the run with the guard's reason."""
+
+    target_cuda_graphs: bool = False
+    """Run the target's forward (where a rank runs it for features) from CUDA graphs, one per batch shape of
+    the run, captured at warm-up: for small, launch-bound targets (SmolLM2-135M: 45 ms of launches -> one).
+    A large target's forward is GPU-bound and gains little; its graphs hold one forward's activations."""
 
     slow_step_threshold: float = Field(0.15, gt=0, lt=1)
     """Report the run as degraded when steady-state step time is this fraction slower than baseline."""

@@ -57,8 +57,10 @@ class DrafterRow:
     anchor_valid: torch.Tensor
     """[A] bool, False on unused slots (they see nothing and carry no loss)."""
 
-    def to(self, device: torch.device | str) -> DrafterRow:
-        return DrafterRow(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> DrafterRow:
+        return DrafterRow(
+            **{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)}
+        )
 
 
 @dataclass

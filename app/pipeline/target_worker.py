@@ -10,11 +10,9 @@ rank 0 publishes), so on a normal finish every send has been received.
 
 from __future__ import annotations
 
-import queue
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,13 +21,13 @@ from app.compile.guard import recompile_errors
 from app.compile.library_jit import LibraryJitCounter
 from app.compile.prepare import start_target_rank
 from app.config import RunConfig
-from app.data.batch import TargetBatch
-from app.data.batching import BatchPlanner, collate
+from app.data.batching import BatchPlanner
 from app.data.dataset import TokenizedDataset
-from app.data.packing import pack_row, pad_features, real_token_features
 from app.model.target import TargetModel
 from app.pipeline.assignment import Delivery, RoundPlanner
 from app.pipeline.distributed import Runtime
+from app.pipeline.features import eager_forward, features_on_device
+from app.pipeline.prefetch import BatchPreparer, Prefetcher, PreparedBatch
 from app.pipeline.sidechannel import SideChannel
 from app.pipeline.transport import FeatureSender, Outgoing, TransportError, encode_meta, send_heads
 
@@ -47,10 +45,10 @@ class TargetStopped(Exception):
 
 @dataclass
 class Prepared:
-    """A batch collated and packed on the host, waiting for the target forward (`q_pre`)."""
+    """A batch prepared on the host, waiting for the target forward (`q_pre`), with its wire header."""
 
     delivery: Delivery
-    batch: TargetBatch
+    batch: PreparedBatch
     meta: torch.Tensor
 
 
@@ -83,15 +81,18 @@ class TargetWorker:
         if config.train.max_steps is not None:
             self.total_steps = min(self.total_steps, config.train.max_steps)
         self.target = target
-        self._prepared: queue.Queue[Prepared | BaseException | None] = queue.Queue(
-            maxsize=config.topology.prefetch_batches
-        )
-        self._stop = threading.Event()
+        self.prepare = BatchPreparer(
+            train_data, planner.shapes, token_budget=config.data.token_budget, anchors=config.train.anchors,
+            pad_token_id=pad_id, seed=config.train.seed, device=runtime.device,
+        )  # fmt: skip
+        self._prefetcher: Prefetcher[Prepared] | None = None
         self._stats_channel = SideChannel.connect(config.topology.recv_timeout_s)
         self.batches = 0
         self.forward_seconds = 0.0
+        graphs = None
         if runtime.device.type == "cuda":  # on the main thread, before the preparer thread exists
-            start_target_rank(config, self.target, cache_loaded, log)
+            graphs = start_target_rank(config, self.target, cache_loaded, log)
+        self.forward = graphs or eager_forward(target)
         # After the baked Triton files are in place and warm-up: what this rank's forwards add is library JIT.
         self.library_jit = LibraryJitCounter()
 
@@ -112,8 +113,9 @@ class TargetWorker:
             f"producing for {steps} steps from epoch {start.cursor.epoch} batch {start.cursor.batch} "
             f"on node {layout.node}, for drafter{'s' if len(fed) > 1 else ''} {','.join(map(str, fed))}"
         )
-        preparer = threading.Thread(target=self._prepare, args=(mine,), name="dflash-prepare", daemon=True)
-        preparer.start()
+        self._prefetcher = Prefetcher(
+            mine, self._prepared, depth=self.config.topology.prefetch_batches, device=runtime.device
+        )
         sender = FeatureSender(runtime, self._sent)
         previous_handlers = self._keep_feeding_on_signals()
         try:
@@ -127,7 +129,7 @@ class TargetWorker:
                 raise TargetStopped() from None
             raise
         finally:
-            self._stop.set()
+            self._prefetcher.close()
             for sig, handler in previous_handlers.items():
                 signal.signal(sig, handler)
         self.log(f"done: {self.batches} batches sent, {self.forward_seconds:.0f}s in the target forward")
@@ -143,52 +145,18 @@ class TargetWorker:
         return {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _next_prepared(self) -> Prepared | None:
-        while True:
-            try:
-                item = self._prepared.get(timeout=0.2)
-            except queue.Empty:
-                if self._drafters_stopped():
-                    raise TargetStopped() from None
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
+        assert self._prefetcher is not None
 
-    def _prepare(self, deliveries: Iterator[Delivery]) -> None:
-        """Data thread: collate + pack this rank's batches ahead of the forward (host work; pinned on GPU)."""
-        if self.runtime.device.type == "cuda":
-            torch.cuda.set_device(self.runtime.device)  # pinning must not open a context on GPU 0
-        try:
-            for delivery in deliveries:
-                item = self._collate(delivery)
-                while not self._stop.is_set():
-                    try:
-                        self._prepared.put(item, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            self._prepared.put(None)
-        except BaseException as error:
-            self._prepared.put(error)
+        def give_up_if_stopped() -> None:
+            if self._drafters_stopped():
+                raise TargetStopped()
 
-    def _collate(self, delivery: Delivery) -> Prepared:
-        planned = delivery.batch
-        batch = collate(self.train_data, planned.sample_ids, self.pad_id, self.planner.shapes)
-        row = pack_row(
-            batch,
-            token_budget=self.config.data.token_budget,
-            anchors=self.config.train.anchors,
-            pad_token_id=self.pad_id,
-            seed=self.config.train.seed,
-            epoch=planned.epoch,
-            index=planned.index,
-        )
-        real_tokens = int(batch.attention_mask.sum())
-        if self.runtime.device.type == "cuda":  # pinned: the forward's copy to the GPU does not block
-            batch = TargetBatch(**{name: t.pin_memory() for name, t in vars(batch).items()})
-        return Prepared(delivery, batch, encode_meta(planned, row, real_tokens))
+        return self._prefetcher.next(poll=give_up_if_stopped)
+
+    def _prepared(self, delivery: Delivery) -> Prepared:
+        """Data thread: the delivery's batch on the host (pinned on GPU) and its wire header."""
+        prepared = self.prepare(delivery.batch)
+        return Prepared(delivery, prepared, encode_meta(delivery.batch, prepared.row, prepared.real_tokens))
 
     def _forward(self, prepared: Prepared) -> Outgoing:
         device = self.runtime.device
@@ -197,16 +165,14 @@ class TargetWorker:
         if device.type == "cuda":  # the host only queues the forward: time it on the GPU (in `_sent`)
             began, ready = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             began.record()
-        batch = prepared.batch.to(device)
         with recompile_errors():
-            features = self.target.features(batch.input_ids)
-        # Only the real tokens' features travel, padded to the row's fixed shape: every send is alike.
-        padded = pad_features(real_token_features(batch, features), self.config.data.token_budget)
+            # the real tokens' features padded to the row's fixed shape: every send is alike
+            features = features_on_device(self.forward, prepared.batch, device).features
         if ready is not None:
             ready.record()
         else:
             self.forward_seconds += time.perf_counter() - started
-        return Outgoing(prepared.delivery, prepared.meta, padded, ready, began)
+        return Outgoing(prepared.delivery, prepared.meta, features, ready, began)
 
     def _sent(self, item: Outgoing) -> None:
         """Send thread, after each batch: counters for the drafters' log line."""
@@ -217,7 +183,7 @@ class TargetWorker:
         self._stats_channel.publish_target_stats(
             self.index,
             {
-                "q_pre": self._prepared.qsize(),
+                "q_pre": self._prefetcher.waiting() if self._prefetcher is not None else 0,
                 "forward_s": round(self.forward_seconds, 3),
                 "library_jit": self.library_jit.new(),
             },

@@ -310,15 +310,11 @@ class Trainer:
         config, runtime = self.config, self.runtime
         if self.target is not None:
             return ColocatedFeatureSource(
-                self.target,
-                self.train_data,
-                self.rounds,
-                drafter=self._drafter_index,
-                token_budget=config.data.token_budget,
-                anchors=config.train.anchors,
-                pad_token_id=pad_token_id(self.tokenizer),
-                seed=config.train.seed,
-            )
+                self.target, self.train_data, self.rounds, drafter=self._drafter_index,
+                token_budget=config.data.token_budget, anchors=config.train.anchors,
+                pad_token_id=pad_token_id(self.tokenizer), seed=config.train.seed,
+                prefetch=config.topology.prefetch_batches, forward=self.compile_report.target_forward,
+            )  # fmt: skip
         assert runtime is not None
         return RemoteFeatureSource(
             runtime,
