@@ -80,7 +80,7 @@ def test_split_pipeline_report(split_report) -> None:
     # (~20 ms here): over this sub-second window that can put a busy target a few percent above 1.
     assert 0 < steady["target_busy"][0] <= 1.2 and 0 <= steady["drafter_waiting"][0] <= 1
     assert stages["device"] == "cpu" and stages["target_forward_s"] > 0 and stages["drafter_step_s"] > 0
-    assert stages["target_forward_full_batch_s"] > 0
+    assert stages["target_forward_full_batch_s"] > 0 and stages["host_prepare_s"] > 0
     assert stages["compile"]["compiled"] is False
     assert set(capacity["batches_per_s"]) == {"target", "drafter"}
     slowest = min(capacity["batches_per_s"].values())
@@ -88,6 +88,7 @@ def test_split_pipeline_report(split_report) -> None:
 
     text = format_report(report)
     assert text.startswith("pipeline 1 target + 1 drafter ranks on 2 nodes") and "efficiency: " in text
+    assert "host preparation " in text
     assert "target ranks in their forward: [" in text
     assert text.splitlines()[0] in "".join(outputs)  # printed by the node that reports
     elsewhere = (

@@ -116,7 +116,9 @@ def test_packed_features_zero_the_padding_whatever_the_index_points_at():
 def test_feature_shape_mismatch_and_overflow_are_refused():
     batch = target_batch()
     with pytest.raises(ValueError, match="expected \\[rows, length, K\\*H\\]"):
-        packed_features(torch.zeros(6, 4), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32))
+        packed_features(
+            torch.zeros(6, 4), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="more than token_budget=4"):
         token_index(batch, 4)
     with pytest.raises(ValueError, match="more than token_budget=8"):

@@ -16,6 +16,7 @@ colocated rank runs both stages in turn: its capacity is 1 / (target forward + d
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import socket
@@ -33,7 +34,7 @@ from app.pipeline.launch import torchrun_options
 if TYPE_CHECKING:
     import torch
 
-    from app.model.target import TargetModel
+    from app.pipeline.features import PackedForward
 
 STAGE_STEPS = 10
 """Timed drafter steps of the stages process (after its warm-up)."""
@@ -84,7 +85,8 @@ def run_pipeline_bench(
 
 
 def measure_stages(config: RunConfig) -> dict[str, Any]:
-    """The stages process: target forward and drafter step alone, on this process's device."""
+    """The stages process: host preparation, target forward and drafter step alone, on this process's
+    device, each compiled (or graphed) as training runs it."""
     import torch
 
     from app.compile.prepare import prepare_compiled_training
@@ -92,6 +94,7 @@ def measure_stages(config: RunConfig) -> dict[str, Any]:
     from app.model.drafter import DFlashDrafter, DrafterArch
     from app.model.loading import pick_device
     from app.model.target import load_target
+    from app.pipeline.features import eager_forward
     from app.train.step import DrafterStep
 
     device = pick_device(config.train.device)
@@ -100,36 +103,50 @@ def measure_stages(config: RunConfig) -> dict[str, Any]:
     target = load_target(config, device)
     drafter = DFlashDrafter(DrafterArch.from_config(config, target), seed=config.train.seed, device=device)
     step = DrafterStep(config, drafter, target, device)
-    report = prepare_compiled_training(config, step, print)
+    report = prepare_compiled_training(config, step, print, target)
     timing = time_training_steps(config, step, target, steps=STAGE_STEPS)
+    host_s, forward_s = time_run_batches(config, report.target_forward or eager_forward(target), device)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "target_forward_s": time_run_batches_forward(config, target, device),
+        "host_prepare_s": host_s,
+        "target_forward_s": forward_s,
         "target_forward_full_batch_s": timing.target_forward_s,
         "drafter_step_s": timing.drafter_step_s,
         "compile": report.to_dict(),
     }
 
 
-def time_run_batches_forward(config: RunConfig, target: TargetModel, device: torch.device) -> float:
-    """Mean seconds of the target forward over the first `TARGET_STAGE_BATCHES` batches of the run's
-    epoch 0 plan: the pipeline's target ranks see these shapes and this padding, not a full batch."""
-    from app.compile.warmup import time_target_forwards
-    from app.data.batching import BatchPlanner, collate
+def time_run_batches(config: RunConfig, forward: PackedForward, device: torch.device) -> tuple[float, float]:
+    """Mean seconds per batch over the first `TARGET_STAGE_BATCHES` batches of the run's epoch 0 plan
+    (the shapes and padding the run's producers see, not a full batch): of their preparation on the
+    host (collate, pack, index; a data thread's work in the run) and of the target's forward and gather
+    onto the packed row (`forward`, the run's: eager or CUDA graphs)."""
+    from app.compile.warmup import synchronize
+    from app.data.batching import BatchPlanner, DataCursor
     from app.data.tokenize import pad_token_id
+    from app.pipeline.features import features_on_device
     from app.pipeline.inputs import load_run_inputs
+    from app.pipeline.prefetch import BatchPreparer
 
     inputs = load_run_inputs(config, with_target=False)  # the target is the caller's, on its device
-    tokenizer, train_data = inputs.tokenizer, inputs.train_data
-    assert train_data is not None
-    planner = BatchPlanner.from_config(train_data.lengths, config.data, config.train.seed)
-    plan = planner.plan(0)
-    batches = [
-        collate(train_data, sample_ids, pad_token_id(tokenizer), planner.shapes).input_ids.to(device)
-        for sample_ids in plan[:TARGET_STAGE_BATCHES]
-    ]
-    return time_target_forwards(target, batches, device)
+    assert inputs.train_data is not None
+    planner = BatchPlanner.from_config(inputs.train_data.lengths, config.data, config.train.seed)
+    prepare = BatchPreparer(
+        inputs.train_data, planner.shapes, token_budget=config.data.token_budget, anchors=config.train.anchors,
+        pad_token_id=pad_token_id(inputs.tokenizer), seed=config.train.seed, device=device,
+    )  # fmt: skip
+    planned = list(itertools.islice(planner.batches(DataCursor(), 1), TARGET_STAGE_BATCHES))
+    started = time.perf_counter()
+    prepared = [prepare(batch) for batch in planned]
+    host_s = (time.perf_counter() - started) / len(prepared)
+    features_on_device(forward, prepared[0], device)  # untimed: a first call
+    synchronize(device)
+    started = time.perf_counter()
+    for batch in prepared:
+        features_on_device(forward, batch, device)
+    synchronize(device)
+    return host_s, (time.perf_counter() - started) / len(prepared)
 
 
 def read_train_records(path: Path) -> list[dict[str, Any]]:
@@ -200,7 +217,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"pipeline {report['topology']}, {report['config']} on {stages['device']} (torch {stages['torch']})",
         f"stages alone: target forward {stages['target_forward_s'] * 1e3:.1f} ms/batch over the run's "
         f"first {TARGET_STAGE_BATCHES} batches ({stages['target_forward_full_batch_s'] * 1e3:.1f} ms over one "
-        f"unpadded full batch), drafter step {stages['drafter_step_s'] * 1e3:.1f} ms/batch",
+        f"unpadded full batch), drafter step {stages['drafter_step_s'] * 1e3:.1f} ms/batch; host preparation "
+        f"{stages['host_prepare_s'] * 1e3:.1f} ms/batch (a data thread's, overlapped in the run)",
         "capacity: "
         + ", ".join(f"{stage} {value:.2f} b/s" for stage, value in capacity["batches_per_s"].items()),
         f"end to end (steps {first}-{last}, {steady['seconds']:.1f}s): tgt={steady['target_batches_per_s']:.2f}b/s "
