@@ -39,14 +39,26 @@ def a_row_index(rows: int, length: int, budget: int, seed: int) -> tuple[torch.T
     return index.cuda(), documents.cuda()
 
 
+def assert_same_features(
+    replayed: torch.Tensor, expected: torch.Tensor, documents: torch.Tensor, shape: tuple[int, int]
+) -> None:
+    padding = documents < 0
+    assert replayed[padding].eq(0).all() and expected[padding].eq(0).all(), shape
+    error = (replayed.float() - expected.float()).abs().max()
+    assert error <= 1e-4 * expected.float().abs().max(), (shape, float(error))
+
+
 def test_the_target_s_graphs_give_its_eager_features_at_every_shape(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path
 ) -> None:
-    """Replayed graphs compute what the eager forward and gather compute, bit for bit, at every shape
-    of the run and in any order; a shape outside the run's set is refused, not run eagerly."""
+    """Replayed graphs compute what the eager forward and gather compute at every shape of the run, in
+    any order, padding exactly zero; a shape outside the run's set is refused, not run eagerly. In fp32:
+    under capture cuBLAS may pick other algorithms (on an H200 the bf16 results were not bit-identical),
+    and a random-weight target's bf16 hidden states reach thousands, where one bf16 step is 16."""
     config = random_target_config(
         tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", device="cuda", **ON_ANY_STACK
     )
+    config.target.dtype = "fp32"
     target = load_target(config, "cuda")
     compile_target(target)
     warm_up_target(config, target, target.device)
@@ -61,10 +73,10 @@ def test_the_target_s_graphs_give_its_eager_features_at_every_shape(
         index, documents = a_row_index(rows, length, budget, seed=number)
         replayed = graphs(input_ids, index, documents)
         expected = eager(input_ids, index, documents)
-        assert torch.equal(replayed, expected), (rows, length)
-        held.append((replayed, expected))
+        assert_same_features(replayed, expected, documents, (rows, length))
+        held.append((replayed.clone(), replayed, expected))
     # each result is the caller's own: a later replay does not overwrite an earlier one
-    assert all(torch.equal(replayed, expected) for replayed, expected in held)
+    assert all(torch.equal(copy, replayed) for copy, replayed, _ in held)
     rows, length = shapes[0]
     with pytest.raises(RuntimeError, match=f"{rows + 1}x{length} has no CUDA graph"):
         graphs(random_target_batch(target, rows + 1, length), *a_row_index(rows + 1, length, budget, 0))
@@ -73,8 +85,8 @@ def test_the_target_s_graphs_give_its_eager_features_at_every_shape(
 def test_a_run_on_the_target_s_graphs_trains_what_the_eager_run_trains(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:
-    """The same seed with and without `compile.target_cuda_graphs`: the same losses step for step
-    (the graphs replay the eager forward's kernels; the data thread changes nothing of what trains)."""
+    """The same seed with and without `compile.target_cuda_graphs`: the same losses step for step, to
+    the features' bf16 rounding (the graphs' matmuls may take other cuBLAS algorithms)."""
     losses = {}
     for graphed in (False, True):
         config = random_target_config(
@@ -90,4 +102,5 @@ def test_a_run_on_the_target_s_graphs_trains_what_the_eager_run_trains(
         assert any(line.startswith("target CUDA graphs:") for line in lines) == graphed
         losses[graphed] = trainer.run().losses
         torch.compiler.set_stance("default")
-    assert len(losses[True]) == 8 and losses[True] == losses[False]
+    assert len(losses[True]) == 8
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2)
