@@ -95,6 +95,19 @@ def test_the_memory_window_holds_growth_over_exactly_window_steps_and_no_more() 
     assert run_watch(beyond, [record(0, memory_gb=(60.0, 70.0)), record(51, memory_gb=(60.0, 75.0))]) == []
 
 
+def test_memory_an_eval_reserved_is_not_training_memory_growth() -> None:
+    """The quality runs' false alarm: a periodic eval lifts reserved memory (1.2 -> 1.6 GB); the window
+    holding it starts the watch again at its level, and growth after that is still an event."""
+    watch = MemoryWatch(window_steps=50, growth_threshold=0.05, warmup_steps=0)
+    flat = [record(s, memory_gb=(1.0, 1.2)) for s in (0, 10, 20)]
+    after_eval = [record(30, memory_gb=(1.0, 1.6), evaluated=True), record(40, memory_gb=(1.0, 1.6))]
+    assert run_watch(watch, flat + after_eval) == []
+    events = run_watch(watch, [record(50, memory_gb=(1.0, 1.8))])
+    assert [step for step, _ in events] == [50] and "(1.6 -> 1.8 GB)" in events[0][1]
+    unmarked = MemoryWatch(window_steps=50, growth_threshold=0.05, warmup_steps=0)
+    assert [step for step, _ in run_watch(unmarked, [*flat, record(30, memory_gb=(1.0, 1.6))])] == [30]
+
+
 def test_cpu_runs_have_no_memory_to_watch() -> None:
     watch = MemoryWatch(window_steps=50, growth_threshold=0.05, warmup_steps=0)
     assert run_watch(watch, [record(s, memory_gb=None) for s in range(0, 100, 10)]) == []

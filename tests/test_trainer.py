@@ -177,6 +177,7 @@ def test_an_eval_in_a_log_window_is_a_pause_not_a_throughput_collapse(
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     windows = [record for record in records if "eval" not in record]
     assert [w["step"] for w in windows] == [2, 4, 6] and windows[0]["paused_s"] == 0
+    assert [w["evaluated"] for w in windows] == [False, True, True]  # the evals after steps 2 and 4
     for window in windows[1:]:
         assert 0 < window["paused_s"] < window["window_s"]  # the eval at the previous line
         training_s = window["window_s"] - window["paused_s"]

@@ -43,7 +43,10 @@ class _Warmup:
 
 
 class MemoryWatch:
-    """Reserved GPU memory growing by more than `growth_threshold` within `window_steps` is an event."""
+    """Reserved GPU memory growing by more than `growth_threshold` within `window_steps` is an event.
+
+    A window with a periodic eval (`evaluated`) starts the watch again from its level: the eval's
+    decoding reserves memory of its own (1.2 -> 1.6 GB on SmolLM2), which is not training's growing."""
 
     def __init__(self, window_steps: int, growth_threshold: float, warmup_steps: int) -> None:
         self.window_steps = window_steps
@@ -58,6 +61,9 @@ class MemoryWatch:
         if memory is None or not self.warmup.over(step):
             return []
         reserved = float(memory[1])
+        if record.get("evaluated"):
+            self.samples = [(step, reserved)]
+            return []
         self.samples = [(s, r) for s, r in self.samples if s >= step - self.window_steps]
         self.samples.append((step, reserved))
         floor_step, floor = min(self.samples, key=lambda sample: sample[1])

@@ -180,6 +180,7 @@ class TrainingMetrics:
         self.colocated = colocated
         self.pending: list[StepOutput] = []
         self.paused_s = 0.0
+        self.evaluated = False
         self.started = time.monotonic()
         self.window = Window(self.started, 0, 0, 0, 0)
 
@@ -196,9 +197,11 @@ class TrainingMetrics:
         return time.monotonic() - self.started
 
     @contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self, evaluation: bool = False) -> Iterator[None]:
         """Time spent not training (an eval, a checkpoint's host copy): the line's rates, mfu and ETA
-        are over the window's training time only, so an eval reads as a pause, not a slowdown."""
+        are over the window's training time only, so an eval reads as a pause, not a slowdown. An
+        `evaluation` also marks the window's record (`evaluated`): the memory it reserved is the eval's."""
+        self.evaluated |= evaluation
         started = time.monotonic()
         try:
             yield
@@ -266,9 +269,10 @@ class TrainingMetrics:
             "feature_wait_s": [c.wait_ms / 1000 for c in counters],
             "target_forward_s": targets.forward_s,
             "target_library_jit": targets.library_jit,
+            "evaluated": self.evaluated,
         }
         self.telemetry.on_window(line, details)
-        self.paused_s = 0.0
+        self.paused_s, self.evaluated = 0.0, False
         return losses
 
     def _gather(self, step: int, stats: SourceStats) -> tuple[WindowSums, list[RankCounters]]:

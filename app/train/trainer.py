@@ -268,7 +268,7 @@ class Trainer:
                 if self.step % self.config.telemetry.log_every == 0 or self.step == self.total_steps:
                     losses += self._log(source)
                 if self._eval_due():
-                    with metrics.paused():
+                    with metrics.paused(evaluation=True):
                         evals.append(self.evaluate())
                 stop = self.stop_request.agreed(self.runtime)
                 if self.step % train.save_every == 0 or stop:
