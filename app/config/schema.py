@@ -111,6 +111,11 @@ class DrafterConfig(Section):
     sliding_window_layers: list[int] = []
     """Drafter layer indices that use `sliding_window` (causal inside the block)."""
 
+    init: Literal["random", "target"] = "random"
+    """The layers' weights at step 0: random, or the target's last `num_layers` decoder layers (and its final
+    norm) where names and shapes match (the drafter's layout must be the target's); needs the target on the
+    drafter's rank (a colocated topology). `fc` is random either way."""
+
     @model_validator(mode="after")
     def _sliding_layers(self) -> DrafterConfig:
         if self.sliding_window_layers and self.sliding_window is None:
@@ -600,5 +605,10 @@ class RunConfig(Section):
                 f"drafter.block_size: a training sample needs 2 x block_size = {needed} supervised tokens, "
                 f"more than data.max_length ({self.data.max_length}) holds; got block_size "
                 f"{self.drafter.block_size}"
+            )
+        if self.drafter.init == "target" and self.topology.target_ranks:
+            raise ValueError(
+                "drafter.init: 'target' copies the target's layers on the drafter's rank, which a split "
+                "topology (topology.target_ranks > 0) does not hold; train colocated or use 'random'"
             )
         return self

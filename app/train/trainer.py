@@ -37,6 +37,7 @@ from app.errors import UserError
 from app.evaluate.evaluator import Evaluator
 from app.evaluate.prompts import prompts_from_dataset
 from app.model.drafter import DFlashDrafter, DrafterArch, with_derived_defaults
+from app.model.drafter_init import init_from_target
 from app.model.flops import forward_flops, step_flops
 from app.model.objective import TreeSample, feature_noise_std, noise_generator
 from app.model.target import resolve_layer_ids, target_dtype, target_text_config
@@ -125,6 +126,8 @@ class Trainer:
         self.heads, arch, layer_ids = self._target_side()
         self.config = config = with_derived_defaults(config, arch)  # what config.json records
         self.drafter = DFlashDrafter(arch, seed=config.train.seed, device=self.device)
+        if config.drafter.init == "target" and self.target is not None:
+            self._note(init_from_target(self.drafter, self.target))
         self.drafter_step = DrafterStep(config, self.drafter, self.heads, self.device)
         self._tree_sample = TreeSample.from_config(config.train, config.telemetry.tree_streak_blocks)
         self.optimizer = self.drafter_step.optimizer
