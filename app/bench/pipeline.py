@@ -105,7 +105,9 @@ def measure_stages(config: RunConfig) -> dict[str, Any]:
     step = DrafterStep(config, drafter, target, device)
     report = prepare_compiled_training(config, step, print, target)
     timing = time_training_steps(config, step, target, steps=STAGE_STEPS)
-    host_s, forward_s = time_run_batches(config, report.target_forward or eager_forward(target), device)
+    soft = config.train.soft_targets > 0
+    forward = report.target_forward or eager_forward(target, final_hidden=soft)
+    host_s, forward_s = time_run_batches(config, forward, device)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -140,11 +142,12 @@ def time_run_batches(config: RunConfig, forward: PackedForward, device: torch.de
     started = time.perf_counter()
     prepared = [prepare(batch) for batch in planned]
     host_s = (time.perf_counter() - started) / len(prepared)
-    features_on_device(forward, prepared[0], device)  # untimed: a first call
+    width = config.data.token_budget  # any: the timing keeps the whole packed output
+    features_on_device(forward, prepared[0], device, width)  # untimed: a first call
     synchronize(device)
     started = time.perf_counter()
     for batch in prepared:
-        features_on_device(forward, batch, device)
+        features_on_device(forward, batch, device, width)
     synchronize(device)
     return host_s, (time.perf_counter() - started) / len(prepared)
 

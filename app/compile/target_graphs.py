@@ -30,16 +30,24 @@ class GraphedTargetFeatures:
     """`packed_features(target.features(input_ids), index, document_ids)` for the shapes given, each
     replayed from its CUDA graph; a shape outside them is refused (it would be a silent eager path)."""
 
-    def __init__(self, target: TargetModel, shapes: Sequence[tuple[int, int]], token_budget: int) -> None:
+    def __init__(
+        self,
+        target: TargetModel,
+        shapes: Sequence[tuple[int, int]],
+        token_budget: int,
+        final_hidden: bool = False,
+    ) -> None:
+        """`final_hidden`: the target's final hidden states come after the features (`train.soft_targets`)."""
         if target.device.type != "cuda":
             raise RuntimeError("GraphedTargetFeatures: only on CUDA")
         require_main_thread("the target's CUDA graphs")
         started = time.perf_counter()
         device = target.device
         self.target = target
+        self.final_hidden = final_hidden
         self._index = torch.zeros(token_budget, dtype=torch.int64, device=device)
         self._documents = torch.full((token_budget,), -1, dtype=torch.int32, device=device)
-        width = len(target.layer_ids) * target.hidden_size
+        width = (len(target.layer_ids) + int(final_hidden)) * target.hidden_size
         self._output = torch.empty(token_budget, width, dtype=target.dtype, device=device)
         self._pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.CUDAGraph]] = {}
@@ -52,7 +60,7 @@ class GraphedTargetFeatures:
         input_ids = torch.zeros(rows, length, dtype=torch.int64, device=self.target.device)
 
         def forward() -> None:
-            features = self.target.features(input_ids)
+            features = self.target.features(input_ids, self.final_hidden)
             self._output.copy_(packed_features(features, self._index, self._documents))
 
         # one eager call first, on a side stream as capture needs: library JIT, autotuning and lazy

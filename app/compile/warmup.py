@@ -56,9 +56,10 @@ def synthetic_batches(
     token_budget = config.data.token_budget
     generator = torch.Generator().manual_seed(seed)
     # One features tensor shared by all rows: at production shapes each one is gigabytes.
+    width = arch.feature_size + (arch.hidden_size if config.train.soft_targets > 0 else 0)
     features = torch.randn(
         token_budget,
-        arch.feature_size,
+        width,
         device=device,
         dtype=target_dtype(config.target, device),
         generator=torch.Generator(device).manual_seed(WARMUP_SEED),
@@ -73,7 +74,7 @@ def synthetic_batches(
         ).to(device)
         for _ in range(count)
     ]
-    return [FeatureBatch(row=row, features=features) for row in rows]
+    return [FeatureBatch.split(row, features, arch.feature_size) for row in rows]
 
 
 def warm_up_drafter(config: RunConfig, step: TrainingStep) -> float:

@@ -263,6 +263,11 @@ class TrainConfig(Section):
     """Lambda of `objective`: loss = CE + lambda x the added term (unused with "ce"). The TV term is in
     [0, 1] like a per-token loss; the acceptance term in [-(block_size - 1), 0]. It costs nothing itself."""
 
+    soft_targets: float = Field(0.0, ge=0, le=1)
+    """w: each block slot's label is (1 - w) x one-hot(the token) + w x the target's own next-token
+    distribution there (its final hidden states through its LM head; the target then runs all its layers).
+    0: hard labels. Only with objective "ce" and a colocated topology."""
+
     feature_noise_std: float = Field(0.0, ge=0)
     """Std of Gaussian noise added to the context features (augmentation; 0 = off)."""
 
@@ -610,5 +615,10 @@ class RunConfig(Section):
             raise ValueError(
                 "drafter.init: 'target' copies the target's layers on the drafter's rank, which a split "
                 "topology (topology.target_ranks > 0) does not hold; train colocated or use 'random'"
+            )
+        if self.train.soft_targets and (self.topology.target_ranks or self.train.objective != "ce"):
+            raise ValueError(
+                "train.soft_targets: needs train.objective = 'ce' and a colocated topology "
+                "(topology.target_ranks = 0), whose ranks hold the target's final hidden states"
             )
         return self

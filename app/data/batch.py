@@ -73,5 +73,17 @@ class FeatureBatch:
     features: torch.Tensor
     """[T, K*H] target hidden states of the K configured layers, concatenated; zeros on padding."""
 
+    target_hidden: torch.Tensor | None = None
+    """[T, H] the target's final-normed hidden states (its LM head's input) with `train.soft_targets`;
+    None otherwise."""
+
     def to(self, device: torch.device | str) -> FeatureBatch:
-        return FeatureBatch(row=self.row.to(device), features=self.features.to(device))
+        hidden = self.target_hidden.to(device) if self.target_hidden is not None else None
+        return FeatureBatch(row=self.row.to(device), features=self.features.to(device), target_hidden=hidden)
+
+    @classmethod
+    def split(cls, row: DrafterRow, packed: torch.Tensor, feature_size: int) -> FeatureBatch:
+        """A producer's packed `[T, K*H (+ H)]`: the drafter's features, then the target's final hidden
+        states when the producer computed them (`TargetModel.features(final_hidden=True)`)."""
+        hidden = packed[:, feature_size:] if packed.shape[-1] > feature_size else None
+        return cls(row=row, features=packed[:, :feature_size], target_hidden=hidden)

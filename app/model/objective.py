@@ -112,6 +112,7 @@ def drafter_loss(
     tree_sample: TreeSample | None = None,
     objective: str = "ce",
     objective_weight: float = 1.0,
+    soft_targets: float = 0.0,
 ) -> LossOutput:
     """Forward one feature batch through the drafter and the chunked, decayed block CE.
 
@@ -120,7 +121,8 @@ def drafter_loss(
     (`train.loss_chunk_size`); `noise_std > 0` adds N(0, noise_std^2) to the features, drawn from
     `generator` (on the features' device) so resumed runs replay the same noise; `ce_chunk` is the
     compiled `weighted_ce_chunk` (required on CUDA, see `chunked_lm_head_ce`); `objective` and
-    `objective_weight` are `train.objective` and `train.objective_weight` (`app.model.acceptance`).
+    `objective_weight` are `train.objective` and `train.objective_weight` (`app.model.acceptance`);
+    `soft_targets` is `train.soft_targets` (`SoftLabels`; needs the batch's `target_hidden`).
     """
     row, features = batch.row, batch.features
     block_size = _block_size(drafter)
@@ -132,8 +134,9 @@ def drafter_loss(
     weights = supervised * slot_weights(block_size, gamma or default_gamma(block_size), hidden.device)
     weights = weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
     slot_objective = SlotObjective.build(objective, objective_weight, supervised)
+    soft = SoftLabels.of(batch, block_size, soft_targets) if soft_targets > 0 else None
     loss, predictions = chunked_lm_head_ce(
-        hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk, slot_objective
+        hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk, slot_objective, soft
     )
     acc, streak = block_metrics(predictions, labels, supervised, row.anchor_valid)
     tree = tree_streak(hidden[:, 1:], lm_head, labels, supervised, tree_sample) if tree_sample else None
@@ -190,6 +193,33 @@ def tree_accepted(
             labels[blocks].tolist(), leading.tolist(), log_probs, token_ids, strict=True
         )
     ]
+
+
+@dataclass
+class SoftLabels:
+    """`train.soft_targets`: slot k's label mixes in the target's own distribution for that token,
+    softmax(LM head(the target's final hidden state one position before it)): at row index a + k - 1
+    for slot k of anchor a (slot 1 reads the anchor's own)."""
+
+    hidden: torch.Tensor
+    """`[A, B-1, H]` the target's final hidden states whose LM-head output predicts each slot's token."""
+    weight: float
+    """w: the label is (1 - w) x one-hot + w x the target's distribution."""
+
+    @classmethod
+    def of(cls, batch: FeatureBatch, block_size: int, weight: float) -> SoftLabels:
+        if batch.target_hidden is None:
+            raise ValueError("train.soft_targets: the batch carries no target final hidden states")
+        length = batch.row.input_ids.shape[0]
+        offsets = torch.arange(block_size - 1, device=batch.row.anchor_positions.device)
+        index = (batch.row.anchor_positions[:, None] + offsets).clamp(max=length - 1)
+        return cls(batch.target_hidden[index], weight)
+
+    def logits(self, anchors: slice, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The target's logits `[a * (B-1), V]` for a chunk of anchors (its LM head: `weight`, `bias`)."""
+        hidden = self.hidden[anchors]
+        logits = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype) @ weight.t()
+        return logits + bias if bias is not None else logits
 
 
 def block_labels(row: DrafterRow, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,6 +290,7 @@ def chunked_lm_head_ce(
     chunk_size: int,
     ce_chunk: CeChunk | None = None,
     objective: SlotObjective | None = None,
+    soft: SoftLabels | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum(weights * CE(lm_head(hidden), labels)) and the argmax predictions, `chunk_size` anchors at a time.
 
@@ -267,29 +298,29 @@ def chunked_lm_head_ce(
     `ce_chunk` computes each chunk: on CUDA the Triton kernel `app.model.ce_kernel.triton_ce_chunk`
     (handed over by `app.compile.apply.compile_drafter`), required there; None runs
     `weighted_ce_chunk` eagerly elsewhere. With an `objective`, the loss adds its term; its
-    gradient rides on the CE's (`_chunk_loss`).
+    gradient rides on the CE's (`_chunk_loss`). With `soft` labels each chunk also runs the LM head
+    on the target's hidden states and takes `soft_ce_chunk` (plain PyTorch on every device).
     """
     if lm_head.weight.requires_grad:
         raise ValueError("chunked_lm_head_ce: the LM head must be frozen (requires_grad=False)")
     if chunk_size < 1:
         raise UserError(f"train.loss_chunk_size: must be >= 1, got {chunk_size}")
-    if ce_chunk is None:
-        if hidden.device.type == "cuda":
-            raise UncompiledKernelOnCudaError(
-                "the loss's cross-entropy chunk has no CUDA kernel (its vocab-sized passes would run "
-                "eagerly, unfused); compile the drafter first (app.compile.apply.compile_drafter)"
-            )
-        ce_chunk = weighted_ce_chunk
+    if ce_chunk is None and soft is None and hidden.device.type == "cuda":
+        raise UncompiledKernelOnCudaError(
+            "the loss's cross-entropy chunk has no CUDA kernel (its vocab-sized passes would run "
+            "eagerly, unfused); compile the drafter first (app.compile.apply.compile_drafter)"
+        )
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, lm_head.weight, lm_head.bias, labels, weights, chunk_size, ce_chunk, objective
-    )
+        hidden, lm_head.weight, lm_head.bias, labels, weights, chunk_size, ce_chunk or weighted_ce_chunk,
+        objective, soft,
+    )  # fmt: skip
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes loss, predictions and d(loss)/d(hidden) chunk by chunk; backward only scales it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, ce_chunk, objective):
+    def forward(ctx, hidden, weight, bias, labels, weights, chunk_size, ce_chunk, objective, soft):
         needs_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
         predictions = torch.empty(labels.shape, device=hidden.device, dtype=torch.long)
@@ -301,9 +332,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits = logits + bias
             anchors = slice(start, stop)
-            chunk_loss, grad_logits, chunk_predictions, row_scale = _chunk_loss(
-                ce_chunk, logits, labels[anchors], weights[anchors], objective, anchors
-            )
+            if soft is not None:
+                chunk_loss, grad_logits, chunk_predictions = soft_ce_chunk(
+                    logits, labels[anchors].reshape(-1), weights[anchors].reshape(-1),
+                    soft.logits(anchors, weight, bias), soft.weight,
+                )  # fmt: skip
+                row_scale = None
+            else:
+                chunk_loss, grad_logits, chunk_predictions, row_scale = _chunk_loss(
+                    ce_chunk, logits, labels[anchors], weights[anchors], objective, anchors
+                )
             loss = loss + chunk_loss
             predictions[start:stop] = chunk_predictions.view(stop - start, -1)
             if needs_grad:
@@ -320,7 +358,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_predictions):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
 
 
 def _chunk_loss(
@@ -375,6 +413,28 @@ def weighted_ce_chunk(
     # d(w * CE)/d(logits) = w * (softmax - one_hot)
     one_hot = torch.arange(logits.shape[-1], device=logits.device) == labels[:, None]
     grad = (exp / sum_exp - one_hot.float()) * weights[:, None]
+    return loss, grad.to(dtype), predictions
+
+
+def soft_ce_chunk(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    target_logits: torch.Tensor,
+    mix: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`weighted_ce_chunk` against soft labels y = (1 - mix) one_hot(labels) + mix softmax(target_logits):
+    sum(weights * -sum_v y log softmax(logits)), its gradient w * (softmax - y), and the argmax. The
+    cross-entropy with the target's distribution is its KL divergence plus that distribution's entropy,
+    which does not depend on the drafter: the same gradient."""
+    dtype = logits.dtype
+    logits = logits.float()
+    predictions = logits.argmax(dim=-1)
+    log_q = logits.log_softmax(dim=-1)
+    soft = target_logits.float().softmax(dim=-1) * mix
+    soft.scatter_add_(-1, labels[:, None], torch.full_like(log_q[:, :1], 1.0 - mix))
+    loss = (-(soft * log_q).sum(dim=-1) * weights).sum()
+    grad = (log_q.exp() - soft) * weights[:, None]
     return loss, grad.to(dtype), predictions
 
 

@@ -167,8 +167,10 @@ class TargetModel:
         return self.embed_tokens.weight.dtype
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Outputs of the K configured layers, concatenated: `[b, L] -> [b, L, K*H]` in the target's dtype.
+    def features(self, input_ids: torch.Tensor, final_hidden: bool = False) -> torch.Tensor:
+        """Outputs of the K configured layers, concatenated: `[b, L] -> [b, L, K*H]` in the target's dtype;
+        with `final_hidden`, `[b, L, (K+1)*H]`: the whole decoder runs and its final-normed output comes
+        last (what the LM head reads: the target's own next-token distribution, `train.soft_targets`).
 
         Rows are right-padded (as target batches are). The forward runs without an attention mask:
         under causal attention a real token never sees the padding to its right, so the real
@@ -187,20 +189,21 @@ class TargetModel:
                 captured[layer_id] = (
                     final_norm(hidden) if final_norm is not None and layer_id == deepest else hidden
                 )
-                if layer_id == deepest:
+                if layer_id == deepest and not final_hidden:
                     raise _DeepestLayerReached
 
             return hook
 
         handles = [self._layers[i].register_forward_hook(capture(i)) for i in set(self.layer_ids)]
+        final: list[torch.Tensor] = []
         try:
-            self._decoder(input_ids=input_ids, use_cache=False)
+            final.append(self._decoder(input_ids=input_ids, use_cache=False).last_hidden_state)
         except _DeepestLayerReached:
             pass
         finally:
             for handle in handles:
                 handle.remove()
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        return torch.cat([captured[i] for i in self.layer_ids] + final, dim=-1)
 
 
 class _DeepestLayerReached(Exception):

@@ -43,15 +43,19 @@ class ColocatedFeatureSource:
         seed: int,
         prefetch: int,
         forward: PackedForward | None = None,
+        final_hidden: bool = False,
     ) -> None:
-        """`prefetch`: rounds prepared ahead; `forward`: the target's CUDA graphs, else its eager forward."""
+        """`prefetch`: rounds prepared ahead; `forward`: the target's CUDA graphs, else its eager forward;
+        `final_hidden`: the batches carry the target's final hidden states (`train.soft_targets`)."""
         self.target = target
         self.rounds = rounds
         self.drafter = drafter
         self.token_budget = token_budget
         self.anchors = anchors
         self.prefetch = prefetch
-        self.forward = forward or eager_forward(target)
+        self.forward = forward or eager_forward(target, final_hidden)
+        self.feature_size = len(target.layer_ids) * target.hidden_size
+        self.width = self.feature_size + (target.hidden_size if final_hidden else 0)
         self.prepare = BatchPreparer(
             dataset, rounds.planner.shapes, token_budget=token_budget, anchors=anchors,
             pad_token_id=pad_token_id, seed=seed, device=target.device,
@@ -93,14 +97,14 @@ class ColocatedFeatureSource:
         self.stats.target_batches += 1
         self.stats.drafter_batches += 1
         self.stats.real_tokens += prepared.real_tokens
-        return features_on_device(self.forward, prepared, self.target.device)
+        return features_on_device(self.forward, prepared, self.target.device, self.feature_size)
 
     def _padding_batch(self) -> FeatureBatch:
         if self._padding is None:
-            width = len(self.target.layer_ids) * self.target.hidden_size
             self._padding = padding_batch(
-                self.token_budget, self.anchors, width, self.target.dtype, self.target.device
-            )
+                self.token_budget, self.anchors, self.feature_size, self.target.dtype, self.target.device,
+                self.width,
+            )  # fmt: skip
         return self._padding
 
     def close(self) -> None:

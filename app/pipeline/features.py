@@ -23,19 +23,22 @@ class PackedForward(Protocol):
         """The target's features of `input_ids` `[rows, length]` gathered onto the packed row."""
 
 
-def eager_forward(target: TargetModel) -> PackedForward:
-    """The target's own forward, then the gather."""
+def eager_forward(target: TargetModel, final_hidden: bool = False) -> PackedForward:
+    """The target's own forward (with its final hidden states: `train.soft_targets`), then the gather."""
 
     def forward(input_ids: torch.Tensor, index: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-        return packed_features(target.features(input_ids), index, document_ids)
+        return packed_features(target.features(input_ids, final_hidden), index, document_ids)
 
     return forward
 
 
-def features_on_device(forward: PackedForward, prepared: PreparedBatch, device: torch.device) -> FeatureBatch:
+def features_on_device(
+    forward: PackedForward, prepared: PreparedBatch, device: torch.device, feature_size: int
+) -> FeatureBatch:
     """Copy `prepared` to `device` (queued, from pinned memory on CUDA) and queue the forward: nothing
-    here waits for the GPU."""
+    here waits for the GPU. The forward's columns past `feature_size` are the target's final hidden
+    states (`FeatureBatch.split`)."""
     row = prepared.row.to(device, non_blocking=True)
     input_ids = prepared.batch.input_ids.to(device, non_blocking=True)
     index = prepared.token_index.to(device, non_blocking=True)
-    return FeatureBatch(row=row, features=forward(input_ids, index, row.document_ids))
+    return FeatureBatch.split(row, forward(input_ids, index, row.document_ids), feature_size)

@@ -70,9 +70,15 @@ class FeatureSource(Protocol):
 
 
 def padding_batch(
-    token_budget: int, anchors: int, feature_size: int, dtype: torch.dtype, device: torch.device
+    token_budget: int,
+    anchors: int,
+    feature_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    target_width: int | None = None,
 ) -> FeatureBatch:
-    """A fixed-shape batch that carries no loss: no document, no valid anchor, zero features.
+    """A fixed-shape batch that carries no loss: no document, no valid anchor, zero features (and, with
+    `target_width` above `feature_size`, zero target hidden states: `FeatureBatch.split`).
 
     A DDP rank trains it when the epoch's last round has no batch for it, so that every rank runs
     the same forward/backward and all-reduce; its gradient is exactly zero.
@@ -85,8 +91,8 @@ def padding_batch(
         anchor_positions=torch.zeros(anchors, dtype=torch.int64),
         anchor_valid=torch.zeros(anchors, dtype=torch.bool),
     )
-    features = torch.zeros(token_budget, feature_size, dtype=dtype, device=device)
-    return FeatureBatch(row=row.to(device), features=features)
+    features = torch.zeros(token_budget, target_width or feature_size, dtype=dtype, device=device)
+    return FeatureBatch.split(row.to(device), features, feature_size)
 
 
 def real_tokens(row: DrafterRow) -> int:

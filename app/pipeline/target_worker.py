@@ -167,7 +167,8 @@ class TargetWorker:
             began.record()
         with recompile_errors():
             # the real tokens' features padded to the row's fixed shape: every send is alike
-            features = features_on_device(self.forward, prepared.batch, device).features
+            width = len(self.target.layer_ids) * self.target.hidden_size
+            features = features_on_device(self.forward, prepared.batch, device, width).features
         if ready is not None:
             ready.record()
         else:

@@ -317,6 +317,7 @@ class Trainer:
                 token_budget=config.data.token_budget, anchors=config.train.anchors,
                 pad_token_id=pad_token_id(self.tokenizer), seed=config.train.seed,
                 prefetch=config.topology.prefetch_batches, forward=self.compile_report.target_forward,
+                final_hidden=config.train.soft_targets > 0,
             )  # fmt: skip
         assert runtime is not None
         return RemoteFeatureSource(
