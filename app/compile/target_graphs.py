@@ -1,9 +1,8 @@
 """The target's forward for features replayed from CUDA graphs: one graph per batch shape of the run.
 
-A small target is launch-bound: measured on an H200, SmolLM2-135M's forward at a 16K-token batch
-queued about 45 ms of kernels from Python for under 10 ms of GPU work, half of a colocated training
-step (BENCHMARKS.md, 2026-12-04, the training loop's parts). Replayed from a graph, the host queues
-one launch. Every (rows, length) shape a run can produce is known before it starts
+A small target is launch-bound: its eager forward queues kernels from Python for several times as
+long as the GPU takes to run them, half of a colocated training step on an H200 (BENCHMARKS.md,
+2026-12-04, the training loop's parts). Replayed from a graph, the host queues one launch. Every (rows, length) shape a run can produce is known before it starts
 (`app.data.shapes`), so each gets its graph at warm-up, on the main thread, and none is captured later.
 
 A graph holds the whole of a producer's work on the device: the forward (`TargetModel.features`, the
