@@ -29,6 +29,7 @@ from app.bench.quality import (
 )
 from app.bench.quality_report import format_table, interval, paired_change, rank_correlation
 from app.cli.bench_cmd import _variants
+from app.config import load_config
 from app.errors import UserError
 
 
@@ -66,6 +67,7 @@ def test_the_eval_split_is_the_first_prompts_of_each_held_out_domain(tmp_path):
         assert [record["id"] for record in chosen if record["domain"] == domain] == first
     assert len(chosen) == 9
     assert "data.eval_files=['%s']" % (tmp_path / "data" / "eval") in quality.stage_overrides()
+    assert load_config(quality.config_file, quality.stage_overrides()).compile.cold_start == "expected"
 
 
 def test_a_trained_arm_is_not_trained_again_and_a_retrained_one_loses_its_stale_eval(tmp_path):

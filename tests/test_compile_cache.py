@@ -52,6 +52,7 @@ from app.compile.key import COMPILED_SOURCES, MACHINE_GROUPS, cache_key, diff_fi
 from app.compile.prepare import (
     CompileReport,
     _warn_if_built_elsewhere,
+    no_cache_message,
     prepare_compiled_training,
     prepare_target_rank,
 )
@@ -210,6 +211,15 @@ def test_entry_round_trip_listing_and_mismatch_survey(built):
     ]
     nearest = nearest_mismatch(cache_dir, tiny_fields("train.anchors=32"))
     assert nearest is not None and nearest.differences == ["shape.anchors: 64 (this run: 32)"]
+    warning = no_cache_message(cache_dir, "k32", tiny_fields("train.anchors=32"), "warn")
+    assert warning.startswith("WARNING: no compile cache for key k32")
+    assert "differs in shape.anchors: 64 (this run: 32)" in warning and "dflash build-cache" in warning
+    # a bench's arms each compile once, on purpose: one plain line, nothing that reads as a fault
+    expected = no_cache_message(cache_dir, "k32", tiny_fields("train.anchors=32"), "expected")
+    assert (
+        expected
+        == f"compile cache: none for key k32 in {cache_dir} (a cold start, expected here): compiling now"
+    )
 
 
 def test_damaged_entries_are_refused(built, tmp_path):

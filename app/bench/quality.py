@@ -84,6 +84,7 @@ class QualityPlan:
             f"data.train_files=['{self.data_dir('train')}']",
             f"data.eval_files=['{self.data_dir('eval')}']",
             f"train.eval_prompts={self.eval_prompts}",
+            "compile.cold_start=expected",  # each arm compiles once: a bench measures, it does not deploy
         ]
 
 

@@ -123,7 +123,7 @@ def prepare_compiled_training(
     elif report.problems:
         log(f"error: {report.problems[-1]}")
     else:
-        _warn_no_cache(cache_dir, report.key, fields, log)
+        log(no_cache_message(cache_dir, report.key, fields, compile_config.cold_start))
 
     compile_drafter(drafter)
     if target is not None:
@@ -198,12 +198,17 @@ def _warn_if_built_elsewhere(entry: CacheEntry, inductor_dir: Path, log: Log) ->
         )
 
 
-def _warn_no_cache(cache_dir: Path, key: str | None, fields: dict[str, Any], log: Log) -> None:
+def no_cache_message(cache_dir: Path, key: str | None, fields: dict[str, Any], cold_start: str) -> str:
+    """What a start with no baked entry for its key says (`compile.cold_start`)."""
+    if cold_start == "expected":
+        return (
+            f"compile cache: none for key {key} in {cache_dir} (a cold start, expected here): compiling now"
+        )
     nearest = nearest_mismatch(cache_dir, fields)
     differs = (
         f"; nearest cache {nearest.entry.key} differs in {', '.join(nearest.differences)}" if nearest else ""
     )
-    log(
+    return (
         f"WARNING: no compile cache for key {key} in {cache_dir}/{differs}. Compiling from scratch "
         "(minutes at production shapes, and every restart pays it again): build the cache for this "
         "machine and config with `dflash build-cache CONFIG [overrides]` (or `just build-cache CONFIG`)"

@@ -379,6 +379,11 @@ class CompileConfig(Section):
     on_cache_miss: Literal["warn", "abort"] = "warn"
     """What a compile-cache miss or bypass after warm-up does when a matching cache was loaded."""
 
+    cold_start: Literal["warn", "expected"] = "warn"
+    """A start that finds no baked cache for its key compiles its kernels cold. warn: a warning naming the
+    fix (`dflash build-cache`), since a production run should start warm; expected: one plain line, for
+    benchmarks and experiments whose arms each compile once (`dflash bench quality` sets it)."""
+
     fail_on_recompile: bool = True
     """After warm-up, a recompile stops the run with the guard's reason."""
 
