@@ -92,6 +92,32 @@ def blocks_longer_than_samples(tmp: Path) -> tuple[list[str], dict[str, str], st
     )
 
 
+def resume_on_changed_data(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    """A run directory whose recorded data identity no longer matches its data file."""
+    from app.config import load_config
+    from app.data.identity import current_identity, record_data_identity
+
+    data, run_dir = tmp / "data.jsonl", tmp / "run"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    config = load_config("configs/tiny.toml", [f"data.train_files=['{data}']", f"train.output_dir={run_dir}"])
+    run_dir.mkdir()
+    record_data_identity(run_dir, current_identity(config), None, resume=False)
+    data.write_text('{"messages": [{"role": "user", "content": "ho"}]}\n')
+    return (
+        [
+            "train",
+            "configs/tiny.toml",
+            f"data.train_files=['{data}']",
+            f"train.output_dir={run_dir}",
+            "--resume",
+        ],
+        {},
+        f"{run_dir}: cannot resume: the data differs from the run's last start ({data} changed); resume with "
+        "the original data, or set train.allow_data_change=true to continue on the changed data (recorded in "
+        "data_identity.json)",
+    )
+
+
 CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     non_utf8_config,
     directory_as_config,
@@ -100,6 +126,7 @@ CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     cache_under_a_file,
     resume_of_no_run,
     blocks_longer_than_samples,
+    resume_on_changed_data,
 ]
 
 

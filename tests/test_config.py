@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -204,6 +205,10 @@ def test_a_run_directory_is_a_config(tmp_path: Path) -> None:
     run_dir.mkdir()
     (run_dir / "config.json").write_text(original.model_dump_json())
     assert load_config(run_dir) == original
+    copied = tmp_path / "copy"
+    shutil.copytree(run_dir, copied)  # a copy (or a move) is the run where it is now
+    assert load_config(copied).train.output_dir == str(copied)
+    assert load_config(copied, [f"train.output_dir={run_dir}"]).train.output_dir == str(run_dir)
     assert load_config(run_dir / "config.json", ["train.lr=2e-4"]).train.lr == 2e-4
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"empty: a directory without config\.json, so not a run directory"):

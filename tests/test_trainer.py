@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -528,3 +529,64 @@ def test_a_step_s_sums_and_a_window_s_are_one_definition_of_the_summed_fields() 
     """A field added to the step's sums cannot be missed by the window: both take the same fields (the
     same `Field` objects; dataclasses' fields compare by identity, so two copies would differ)."""
     assert dataclasses.fields(StepSums) == dataclasses.fields(WindowSums)
+
+
+def test_a_copied_run_resumes_as_itself_and_changed_data_is_refused_or_recorded(
+    tiny_lm_dir, tiny_conversations, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`cp -r a b; dflash train b --resume`: b continues, a is untouched. Two words swapped in an
+    answer (same lengths, same batch plan) are refused at resume naming the file and the way out;
+    `train.allow_data_change` resumes and the run's record keeps the change."""
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(Path(tiny_conversations).read_bytes())
+    original = tmp_path / "a"
+    Trainer(small_config(data, original, "train.max_steps=2", "train.save_every=1"), log=quiet).run()
+    copy_dir = tmp_path / "b"
+    shutil.copytree(original, copy_dir)
+    before = sorted(path.name for path in checkpoint_root(original).iterdir())
+    done = dflash(
+        capsys, monkeypatch, "train", str(copy_dir), "train.max_steps=3", "train.reschedule=true", "--resume"
+    )
+    assert done.returncode == 0, done.stderr
+    assert complete_checkpoints(checkpoint_root(copy_dir))[-1].name == "step_00000003"
+    assert sorted(path.name for path in checkpoint_root(original).iterdir()) == before
+
+    records = [json.loads(line) for line in data.read_text().splitlines()]
+    answer = records[0]["messages"][-1]
+    words = answer["content"].split(" ")
+    words[3], words[4] = words[4], words[3]  # the same tokens in another order: the same batch plan
+    answer["content"] = " ".join(words)
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    done = dflash(
+        capsys, monkeypatch, "train", str(copy_dir), "train.max_steps=4", "train.reschedule=true", "--resume"
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"dflash: error: {copy_dir}: cannot resume: the data differs from the run's last start "
+        f"({data} changed); resume with the original data, or set train.allow_data_change=true to "
+        "continue on the changed data (recorded in data_identity.json)"
+    )
+    resumed = [
+        "train", str(copy_dir), "train.max_steps=4", "train.reschedule=true", "train.allow_data_change=true", "--resume"
+    ]  # fmt: skip
+    done = dflash(capsys, monkeypatch, *resumed)
+    assert done.returncode == 0, done.stderr
+    assert (
+        f"warning: resuming on changed data, accepted by train.allow_data_change: {data} changed"
+        in done.stdout
+    )
+    record = json.loads((copy_dir / "data_identity.json").read_text())
+    assert [change["change"] for change in record["changes"]] == [f"{data} changed"]
+    # the record now holds the changed data: the next resume on it is no change
+    assert (
+        dflash(
+            capsys,
+            monkeypatch,
+            "train",
+            str(copy_dir),
+            "train.max_steps=5",
+            "train.reschedule=true",
+            "--resume",
+        ).returncode
+        == 0
+    )

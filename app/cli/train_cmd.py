@@ -37,20 +37,22 @@ def train(
     """
     from app.checkpoint.run_dir import require_run_to_resume
     from app.config import load_config, require_builtin_packages
+    from app.data.identity import check_data_identity
     from app.env.preflight import require_locked_versions
     from app.paths import cache_root
     from app.pipeline.roles import torchrun_variables
 
     run_config = load_config(config, overrides or [])
     # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group, a
-    # torchrun variable that is no integer, a cache root under a regular file, a resume of no run or a
-    # locked package at another version (transformers' own import-time check is a traceback) is one line.
+    # torchrun variable that is no integer, a cache root under a regular file, a resume of no run or on
+    # changed data, or a locked package at another version (transformers' own import-time check is a traceback) is one line.
     require_builtin_packages(run_config.target.builtin)
     require_locked_versions(allow_drift=run_config.train.allow_environment_drift)
     torchrun_variables()
     cache_root()
     if resume:
         require_run_to_resume(run_config.train.output_dir)
+        check_data_identity(run_config, resume=True)
     from app.cli.bars import library_bars_only_on_a_tty
     from app.pipeline.distributed import wants_distributed
 

@@ -3,7 +3,8 @@
 Errors name the file (or the override that set the value), the dotted key and what was expected
 (`train.lr: must be > 0, got -1`); unknown keys get a close-match suggestion. Everything raises
 `ConfigError`, which the CLI turns into exit code 2. A run directory is a config too: the resolved
-`config.json` every run writes, so a pulled run trains, resumes or evaluates without its original file.
+`config.json` every run writes, so a pulled run trains, resumes or evaluates without its original file;
+its `train.output_dir` is the directory named (a copied or moved run is the run where it is now).
 """
 
 from __future__ import annotations
@@ -54,8 +55,14 @@ def load_config(
                     f"{path}: a directory without {RUN_CONFIG_FILE}, so not a run directory; expected a "
                     ".toml, .yaml, .yml or .json config file, or a run directory"
                 )
-            path = path / RUN_CONFIG_FILE
-        raw, name = _read_file(path), str(path)
+            raw, name = _read_file(path / RUN_CONFIG_FILE), str(path / RUN_CONFIG_FILE)
+            # The directory named is the run: a copy resumes as itself, a moved run where it now is,
+            # not wherever its recorded train.output_dir points.
+            train = raw.setdefault("train", {})
+            if isinstance(train, dict):  # not a table: validation names it
+                train["output_dir"] = str(path)
+        else:
+            raw, name = _read_file(path), str(path)
     set_by = {_apply_override(raw, override): override for override in overrides}
     return validate_config(raw, source=name, set_by=set_by)
 

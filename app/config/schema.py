@@ -317,6 +317,11 @@ class TrainConfig(Section):
     resume, differs in a breaking way from the run's last good start. The start records what it
     accepted and the run's status says DEGRADED; without this a drifted start is refused."""
 
+    allow_data_change: bool = False
+    """Resume even though the training or eval data files differ from the ones the run last started
+    with (their contents are recorded at every start). The change is recorded in the run's
+    `data_identity.json` and said at start; without this a resume on changed data is refused."""
+
 
 class TopologyConfig(Section):
     """How the ranks launched by torchrun split into target and drafter roles."""

@@ -47,7 +47,7 @@ from app.data.formats import (
     record_domain,
     require_format_column,
 )
-from app.data.sources import Source, resolve_sources
+from app.data.sources import Source, resolve_sources, source_members
 from app.data.textfiles import open_binary, require_utf8
 from app.data.tokenize import ChatTokenizer, TokenizedSample
 from app.errors import UserError
@@ -304,11 +304,9 @@ def cache_key(
     """Hash of everything that shapes the tokenized result; any change is a cache miss."""
     files = []
     for source in sources:
-        for path in source.files:
-            members = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-            for member in members:
-                stat = member.stat()
-                files.append([str(member.resolve()), stat.st_size, stat.st_mtime_ns])
+        for member in source_members(source):
+            stat = member.stat()
+            files.append([str(member.resolve()), stat.st_size, stat.st_mtime_ns])
     identity = {
         "version": PIPELINE_VERSION,
         "files": files,

@@ -30,6 +30,14 @@ class Source:
     """How messages name it: the file or directory the user listed."""
 
 
+def source_members(source: Source) -> list[Path]:
+    """Every file a source reads (a saved dataset's directory: each file in it), in a stable order."""
+    members = []
+    for path in source.files:
+        members += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return members
+
+
 def resolve_sources(files: Sequence[str]) -> list[Source]:
     """What to read for each configured path; a path that cannot be data is a `UserError`."""
     sources = []

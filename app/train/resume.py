@@ -87,7 +87,8 @@ def check_resumable(
     if state["plan"] != plan:
         raise UserError(
             f"{path}: cannot resume: the training data or batching settings changed "
-            f"(batch plan {state['plan']} != {plan})"
+            f"(batch plan {state['plan']} != {plan}), so the saved data position means nothing in the "
+            "new plan; resume with the run's data and data.* settings, or start a new run"
         )
     _check_global_batch(state.get("batches_per_step", 1), batches_per_step, path, train, log)
     _check_schedule(state, path, schedule_settings(total_steps, train), train.reschedule, log)

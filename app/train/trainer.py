@@ -30,6 +30,8 @@ from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedC
 from app.compile.prepare import CompileReport, prepare_compiled_training
 from app.config import RunConfig
 from app.data.batching import BatchPlanner, DataCursor, plan_stats
+from app.data.identity import ALLOW_SETTING as DATA_CHANGE_SETTING
+from app.data.identity import check_data_identity, record_data_identity
 from app.data.tokenize import pad_token_id
 from app.env.guard import ALLOW_SETTING, EnvironmentCheck, check_environment
 from app.env.record import append_start
@@ -146,10 +148,11 @@ class Trainer:
     # ---- the start --------------------------------------------------------------------------------
 
     def _check_start(self, resume: bool) -> EnvironmentCheck:
-        """The run directory and the environment, checked before the target and the data load: a wrong
-        directory or a drifted environment is refused in seconds, not minutes."""
+        """The run directory, the data's identity and the environment, checked before the target and the
+        data load: a wrong directory, changed data or a drifted environment is refused in seconds."""
         if self.is_logger:
             check_run_directory(self.run_dir, resume)
+            self.data_identity = check_data_identity(self.config, resume=resume)
         return check_environment(
             self.run_dir if self.is_logger else None,
             resume=resume,
@@ -460,6 +463,10 @@ class Trainer:
             self.log(f"warning: DEGRADED start, accepted by {ALLOW_SETTING}: {line}")
         for line in check.notes:
             self.log(f"note: {line}")
+        files, change = self.data_identity
+        record_data_identity(self.run_dir, files, change, resume=self.resumed)
+        if change is not None:
+            self.log(f"warning: resuming on changed data, accepted by {DATA_CHANGE_SETTING}: {change}")
         environment = {"start": start.start, "accepted": start.accepted}
         self.telemetry.on_start(
             RunStart(self.run_dir, config, check.fingerprint, self.compile_report.to_dict(), environment)
