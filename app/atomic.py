@@ -54,8 +54,8 @@ def write_text_atomic(path: str | Path, text: str, *, durable: bool = True) -> N
     write_bytes_atomic(path, text.encode(), durable=durable)
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+def write_json_atomic(path: str | Path, data: Any, *, durable: bool = True) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n", durable=durable)
 
 
 def staging_directory(target: str | Path) -> Path:

@@ -7,6 +7,9 @@ import json
 import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,6 +23,7 @@ from app.config import load_config
 from app.errors import UserError
 from app.telemetry import build_telemetry
 from app.telemetry.compile_watches import throughput_watch
+from app.telemetry.liveness import HEARTBEAT_FILE
 from app.telemetry.reporter import RunStart
 from app.telemetry.status import STATUS_FILE, StatusFile, read_status
 from app.telemetry.status_report import render_status
@@ -141,7 +145,8 @@ def test_a_resume_is_compared_with_its_own_last_good_start_and_a_drifted_sibling
 ) -> None:
     """A copy of the healthy run resumed with another torch, allowed on purpose: its status says what
     changed since its own last good start. A second copy whose status says healthy but whose record
-    holds SGLang (a drift the guard of its day missed) is no "last good run" for the healthy one."""
+    holds SGLang (a drift the guard of its day missed), and a third one that ran an edited `app/` file,
+    are no "last good run" for the healthy one."""
     resumed, undetected = healthy_run.parent / "resumed", healthy_run.parent / "undetected"
     for copy in (resumed, undetected):
         shutil.copytree(healthy_run, copy)
@@ -158,6 +163,12 @@ def test_a_resume_is_compared_with_its_own_last_good_start_and_a_drifted_sibling
         {"name": "sglang", "version": "0.5.3", "inference_stack": True, "location": "/x"}
     ]
     (undetected / "environment.jsonl").write_text(json.dumps(polluted) + "\n")
+    edited = healthy_run.parent / "edited"  # healthy by its status, but it ran an edited app/ file
+    shutil.copytree(healthy_run, edited)
+    record = json.loads((edited / "environment.jsonl").read_text())
+    record["fingerprint"]["project"]["changed"] = ["app/train/step.py"]
+    record["fingerprint"]["code"]["train/step.py"] = "0" * 16
+    (edited / "environment.jsonl").write_text(json.dumps(record) + "\n")
     try:
         text, healthy = render_status(resumed)
         assert not healthy
@@ -178,8 +189,8 @@ def test_a_resume_is_compared_with_its_own_last_good_start_and_a_drifted_sibling
         text, healthy = render_status(healthy_run)
         assert healthy and "what changed: no completed, healthy run next to this one" in text
     finally:
-        shutil.rmtree(resumed)  # other tests look for siblings of the healthy run
-        shutil.rmtree(undetected)
+        for copy in (resumed, undetected, edited):
+            shutil.rmtree(copy)  # other tests look for siblings of the healthy run
 
 
 def test_degraded_run_says_what_changed_since_the_last_good_run(healthy_run: Path) -> None:
@@ -291,7 +302,9 @@ def test_status_json_is_replaced_atomically(tmp_path: Path) -> None:
     assert errors == [] and len(seen) > 10
     assert seen == sorted(seen) and seen[-1] <= 300
     assert read_status(tmp_path)["progress"]["step"] == 300
-    assert sorted(p.name for p in tmp_path.iterdir()) == [STATUS_FILE]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [HEARTBEAT_FILE, STATUS_FILE]
+    status.on_exit("completed", 300)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATUS_FILE]  # a finished run has no heartbeat
 
 
 def test_status_is_written_every_n_steps_and_at_once_for_events(tmp_path: Path) -> None:
@@ -342,10 +355,57 @@ def test_a_run_that_stopped_updating_is_stale(tmp_path: Path) -> None:
     (tmp_path / STATUS_FILE).write_text(json.dumps(document))
     text, healthy = render_status(tmp_path)
     assert not healthy and "STALE: no update for 2.0h" in text
+    assert f"if it died, `dflash train {tmp_path} --resume` (continues from step 500)" in text
+    status.on_exit("stopped", 500)
+
+
+WRITER = """
+import sys, time
+from pathlib import Path
+from app.config import load_config
+from app.telemetry.liveness import HEARTBEAT_FILE
+from app.telemetry.reporter import RunStart
+from app.telemetry.status import StatusFile
+status = StatusFile(load_config("configs/tiny.toml"))
+status.on_start(RunStart(Path(sys.argv[1]), {}, {}, {}))
+status.on_checkpoint(Path(sys.argv[1]) / "checkpoints" / "step_00000040", 40)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_run_reads_stopped_at_once_here_and_within_30_s_elsewhere(tmp_path: Path) -> None:
+    """The status writer of a run killed with SIGKILL: on its host the dead pid says so at once; on
+    another host (its recorded host changed here) a heartbeat older than 30 s does."""
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout is not None and writer.stdout.readline() == "started\n"
+    text, healthy = render_status(tmp_path)
+    assert healthy and "state: running, step 0" in text
+    writer.kill()
+    writer.wait()
+    text, healthy = render_status(tmp_path)
+    assert not healthy and "expected to finish" not in text
     assert (
-        f"if it died, `dflash train YOUR_CONFIG train.output_dir={tmp_path} --resume` (continues from step 500)"
+        "state: STOPPED without an exit at step 0 (killed: SIGKILL, out of memory or a lost node): its process "
+        f"{writer.pid} on {socket.gethostname()} is gone; status last updated" in text
+    )
+    assert (
+        f"the training process died without an exit: `dflash train {tmp_path} --resume` (continues from step 40)"
         in text
     )
+
+    beat = json.loads((tmp_path / HEARTBEAT_FILE).read_text())
+    for age_s, dead in ((5, False), (45, True)):
+        at = (datetime.now(UTC) - timedelta(seconds=age_s)).isoformat(timespec="seconds")
+        (tmp_path / HEARTBEAT_FILE).write_text(json.dumps({**beat, "host": "another-host", "at": at}))
+        text, healthy = render_status(tmp_path)
+        assert healthy is not dead
+        assert (
+            bool(re.search(rf"its heartbeat from another-host \(pid {writer.pid}\) stopped \d+s ago", text))
+            is dead
+        )
 
 
 def test_no_status_is_a_one_line_usage_error(tmp_path: Path, capsys, monkeypatch) -> None:

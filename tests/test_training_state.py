@@ -50,13 +50,31 @@ def test_a_finite_loss_with_a_non_finite_gradient_changes_no_weight_then_or_afte
         assert torch.equal(parameter, before[name]), name
 
 
-def test_the_trainer_stops_at_a_step_whose_gradient_alone_is_not_finite(
+def test_the_trainer_stops_at_a_step_whose_gradient_alone_is_not_finite_naming_where_to_go_on(
     tiny_lm_dir, tiny_conversations, tmp_path: Path
 ) -> None:
-    trainer = Trainer(small_config(tiny_conversations, tmp_path, "train.max_steps=2"), log=quiet)
+    """Poisoned from the first step: nothing to resume from, the run starts again. Poisoned at step 3
+    of a run saving every step: it resumes from step 2's checkpoint, named."""
+    trainer = Trainer(small_config(tiny_conversations, tmp_path / "a", "train.max_steps=2"), log=quiet)
     poison_gradient(trainer.drafter)
-    with pytest.raises(NonFiniteLoss, match=r"^non-finite loss at step 1 \(epoch 0, batch 0"):
+    with pytest.raises(
+        NonFiniteLoss,
+        match=r"^non-finite loss at step 1 \(epoch 0, batch 0.*\); no checkpoint was written: start the run "
+        r"again with a lower train\.lr, or inspect those samples$",
+    ):
         trainer.run()
+    run_dir = tmp_path / "b"
+    trainer = Trainer(
+        small_config(tiny_conversations, run_dir, "train.max_steps=4", "train.save_every=1"), log=quiet
+    )
+    weight = trainer.drafter.layers[0].mlp.down_proj.weight
+    weight.register_hook(lambda grad: grad * float("nan") if trainer.step >= 2 else grad)
+    with pytest.raises(NonFiniteLoss) as stopped:
+        trainer.run()
+    assert str(stopped.value).startswith("non-finite loss at step 3 ")
+    assert str(stopped.value).endswith(
+        f"; resume from {run_dir / 'checkpoints' / 'step_00000002'} with a lower train.lr, or inspect those samples"
+    )
 
 
 class DrawsFromTheGlobalRng:

@@ -1,7 +1,8 @@
 """`status.json`: what a run is, how far it got, how healthy it is and how it ended, in one file.
 
 Written atomically (temp file, then rename) at start, every `telemetry.status_every` steps, at once when
-a health event, an eval or a checkpoint arrives, and at exit; `dflash status RUN_DIR` renders it. A
+a health event, an eval or a checkpoint arrives, and at exit, with a heartbeat beside it while the run
+lives (`liveness.py`); `dflash status RUN_DIR` renders it. A
 resumed run keeps the earlier attempts' exits and health events, so the file tells the whole story.
 """
 
@@ -21,6 +22,7 @@ from app.errors import UserError
 from app.paths import STORAGE_STATE_FILE
 from app.telemetry.baseline import Baseline, baseline_from_compile_report
 from app.telemetry.health import active_conditions
+from app.telemetry.liveness import Heartbeat
 from app.telemetry.reporter import RunStart
 
 STATUS_FILE = "status.json"
@@ -80,6 +82,7 @@ class StatusFile:
         self.recent: list[dict[str, Any]] = []
         self.attempt_events = 0
         self.written_step = -1
+        self.heartbeat: Heartbeat | None = None
         self._lock = threading.Lock()
 
     # ---- reporter -----------------------------------------------------------------------------------
@@ -121,6 +124,8 @@ class StatusFile:
         accepted = start.environment.get("accepted", [])
         self._add_events(self.status["progress"]["step"], [f"environment: {line}" for line in accepted])
         self.write()
+        self.heartbeat = Heartbeat(start.run_dir)
+        self.heartbeat.start()
 
     def on_log(self, record: dict[str, Any]) -> None:
         if "eval" in record:
@@ -156,6 +161,8 @@ class StatusFile:
         self.status["finished_at"] = now_iso()
         self.status["progress"]["step"] = step
         self.write()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
     # ---- writing ------------------------------------------------------------------------------------
 

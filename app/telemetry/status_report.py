@@ -10,6 +10,8 @@ start, so a change a resume was allowed to run with shows under what changed.
 from __future__ import annotations
 
 import json
+import shlex
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from app.env import (
 )
 from app.env.guard import for_target
 from app.errors import UserError
+from app.telemetry.liveness import writer_death
 from app.telemetry.logline import format_duration
 from app.telemetry.status import read_status, seconds_since
 
@@ -74,17 +77,27 @@ def stack_was_right(run_dir: Path) -> bool:
     """Whether a run trained in one right stack throughout. A status that says healthy is not enough:
     the guard of its day may have missed a drift (a check added since, a resume into another stack that
     no rule caught then), and taking such a run as the reference calls a good run degraded. So every
-    start is good, none differs from the first in a breaking way, and today's checks find no problem."""
+    start is good and ran the committed code, none differs from the first in a breaking way, and
+    today's checks find no problem."""
     try:
         starts = read_starts(run_dir)
     except UserError:
         return False
     if not starts or not all(start.good for start in starts):
         return False
+    if any(_ran_edited_code(start.fingerprint) for start in starts):
+        return False
     first = starts[0].fingerprint
     if any(d.breaking for start in starts[1:] for d in diff_fingerprints(first, start.fingerprint)):
         return False
     return not any(finding.level == "problem" for finding in assess(starts[-1].fingerprint))
+
+
+def _ran_edited_code(fingerprint: dict[str, Any]) -> bool:
+    """Whether a start ran appliance code that differs from its checkout's commit (an edit under
+    `app/`): no reference for a run of the committed code, whose code hashes it would not match."""
+    changed = (fingerprint.get("project") or {}).get("changed") or []
+    return any(path.startswith("app/") for path in changed)
 
 
 def own_comparison(run_dir: Path) -> Comparison | None:
@@ -155,10 +168,11 @@ def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool
             compare_runs(run_dir, last_good, "newest completed healthy sibling") if last_good else None
         )
     stale_s = _stale_seconds(status)
+    dead = writer_death(run_dir, time.time()) if status.get("state") == "running" else None
     lines = [
         f"run {status.get('run_name')} ({status.get('run_dir', run_dir)})",
         f"goal: {status.get('goal', {}).get('text', '?')}",
-        f"state: {_state_line(status, stale_s)}",
+        f"state: {_state_line(status, stale_s, dead)}",
         f"progress: {_progress_line(status)}",
         f"throughput: {_throughput_line(status, comparison)}",
         f"compile: {_compile_line(status.get('compile'))}",
@@ -176,18 +190,29 @@ def render_status(run_dir: Path, against: Path | None = None) -> tuple[str, bool
     lines += ["", *_health_lines(status, drifted), "", *_change_lines(comparison)]
     lines += [*(_change_lines(own) if own is not None else []), ""]
     lines += _checkpoint_lines(status)
-    lines += ["", "next:", *(f"  - {step}" for step in next_steps(run_dir, status, comparison, stale_s))]
-    healthy = status.get("health", {}).get("state") == "healthy" and stale_s is None and not drifted
+    steps = next_steps(run_dir, status, comparison, stale_s, dead)
+    lines += ["", "next:", *(f"  - {step}" for step in steps)]
+    healthy = (
+        status.get("health", {}).get("state") == "healthy"
+        and stale_s is None
+        and dead is None
+        and not drifted
+    )
     return "\n".join(lines) + "\n", healthy
 
 
 # ---- sections ---------------------------------------------------------------------------------------
 
 
-def _state_line(status: dict[str, Any], stale_s: float | None) -> str:
+def _state_line(status: dict[str, Any], stale_s: float | None, dead: str | None) -> str:
     state, step = status.get("state"), status.get("progress", {}).get("step")
+    updated = seconds_since(status.get("updated_at"))
+    if dead is not None:
+        return (
+            f"STOPPED without an exit at step {step} (killed: SIGKILL, out of memory or a lost node): {dead}; "
+            f"status last updated {format_duration(updated or 0)} ago"
+        )
     if state == "running":
-        updated = seconds_since(status.get("updated_at"))
         line = f"running, step {step}, status updated {format_duration(updated or 0)} ago"
         if stale_s is not None:
             line += f" -- STALE: no update for {format_duration(stale_s)}, the process may be dead"
@@ -370,15 +395,17 @@ EXPORT_DIR = "export"
 
 
 def next_steps(
-    run_dir: Path, status: dict[str, Any], comparison: Comparison | None, stale_s: float | None
+    run_dir: Path,
+    status: dict[str, Any],
+    comparison: Comparison | None,
+    stale_s: float | None,
+    dead: str | None = None,
 ) -> list[str]:
     state, reason = status.get("state"), str(status.get("exit_reason") or "")
     checkpoint = status.get("last_checkpoint")
 
     def resume(*overrides: str) -> str:
-        command = " ".join(
-            ["dflash train YOUR_CONFIG", f"train.output_dir={run_dir}", *overrides, "--resume"]
-        )
+        command = shlex.join(["dflash", "train", str(run_dir), *overrides, "--resume"])
         return (
             f"`{command}` (continues from step {checkpoint['step']})" if checkpoint else "start the run again"
         )
@@ -393,6 +420,8 @@ def next_steps(
         steps.append(f"fix the cause above, then {resume()}")
     elif state == "stopped":
         steps.append(f"stopped by a signal after a checkpoint: {resume()}")
+    elif dead is not None:
+        steps.append(f"the training process died without an exit: {resume()}")
     elif state == "running" and stale_s is not None:
         steps.append(f"check whether the training process is alive; if it died, {resume()}")
     messages = " ".join(event.get("message", "") for event in status.get("health", {}).get("events", []))

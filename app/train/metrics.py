@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,27 @@ from app.telemetry.session import Telemetry
 
 
 class NonFiniteLoss(JobFailed):
-    """The loss became NaN/inf: the run stops, naming the step and the batches that did it."""
+    """The loss became NaN/inf: the run stops, naming the step and the batches that did it; the trainer
+    adds where the run can go on from (`resuming_from`)."""
 
-    def __init__(self, step: int, round_: Round) -> None:
+    def __init__(self, step: int, round_: Round, advice: str = "") -> None:
+        self.step, self.round = step, round_
         samples = [sample for batch in round_.real for sample in batch.sample_ids]
         indices = [batch.index for batch in round_.real]
         super().__init__(
             f"non-finite loss at step {step} (epoch {round_.epoch}, batch{'es' if len(indices) > 1 else ''} "
-            f"{', '.join(map(str, indices))}, samples {samples[:8]}{'...' if len(samples) > 8 else ''}); "
-            f"resume from the last checkpoint with a lower train.lr or inspect those samples"
+            f"{', '.join(map(str, indices))}, samples {samples[:8]}{'...' if len(samples) > 8 else ''})"
+            + (f"; {advice}" if advice else "")
+        )
+
+    def resuming_from(self, checkpoint: Path | None) -> NonFiniteLoss:
+        """The same failure, advising the checkpoint the run resumes from (None: none was written, the
+        run starts again)."""
+        where = (
+            f"resume from {checkpoint}" if checkpoint else "no checkpoint was written: start the run again"
+        )
+        return NonFiniteLoss(
+            self.step, self.round, f"{where} with a lower train.lr, or inspect those samples"
         )
 
 

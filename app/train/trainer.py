@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from app.atomic import write_json_atomic
-from app.checkpoint.store import PREFIX, check_run_directory, checkpoint_root, load_latest_checkpoint
+from app.checkpoint.store import (
+    PREFIX,
+    check_run_directory,
+    checkpoint_root,
+    latest_checkpoint,
+    load_latest_checkpoint,
+)
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
 from app.compile.prepare import CompileReport, prepare_compiled_training
 from app.config import RunConfig
@@ -55,7 +61,7 @@ from app.telemetry.compile_watches import compile_watches
 from app.telemetry.hardware import reference_peak
 from app.telemetry.logline import legend
 from app.telemetry.reporter import HealthWatch, Reporter, RunStart
-from app.train.metrics import StepOutput, StepSums, TrainingMetrics
+from app.train.metrics import NonFiniteLoss, StepOutput, StepSums, TrainingMetrics
 from app.train.reporting import run_telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
@@ -290,6 +296,11 @@ class Trainer:
             self._report_checkpoints(self.checkpoints.completed(block=True))
         except TrainingStopped:
             raise
+        except NonFiniteLoss as error:
+            self._settle_checkpoints()  # the write in flight (of a finite step) is one to go on from
+            failure = error.resuming_from(latest_checkpoint(checkpoint_root(self.run_dir)))
+            exit_reason = f"failed: NonFiniteLoss: {failure}"
+            raise failure from None
         except BaseException as error:
             exit_reason = (
                 f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
