@@ -95,13 +95,13 @@ def blocks_longer_than_samples(tmp: Path) -> tuple[list[str], dict[str, str], st
 def resume_on_changed_data(tmp: Path) -> tuple[list[str], dict[str, str], str]:
     """A run directory whose recorded data identity no longer matches its data file."""
     from app.config import load_config
-    from app.data.identity import current_identity, record_data_identity
+    from app.data.identity import DataIdentity, current_identity, record_data_identity
 
     data, run_dir = tmp / "data.jsonl", tmp / "run"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     config = load_config("configs/tiny.toml", [f"data.train_files=['{data}']", f"train.output_dir={run_dir}"])
     run_dir.mkdir()
-    record_data_identity(run_dir, current_identity(config), None, resume=False)
+    record_data_identity(run_dir, DataIdentity(current_identity(config), None), resume=False, log=print)
     data.write_text('{"messages": [{"role": "user", "content": "ho"}]}\n')
     return (
         [

@@ -4,6 +4,8 @@ from (each draw has its own seeded generator), is still restored from the checkp
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from app.compile.warmup import synthetic_batches
 from app.config import load_config
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.train.metrics import NonFiniteLoss
+from app.train.ranks import run_drafter_rank
 from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import Trainer
 from tests.helpers import small_config
@@ -50,27 +53,47 @@ def test_a_finite_loss_with_a_non_finite_gradient_changes_no_weight_then_or_afte
         assert torch.equal(parameter, before[name]), name
 
 
+@contextmanager
+def poisoned(poison: Callable[[Trainer], object]) -> Iterator[None]:
+    """Every Trainer built inside gets `poison` applied once it is built (`dflash train`'s own path,
+    `run_drafter_rank`, builds it)."""
+    built = Trainer.__init__
+
+    def init(self: Trainer, *args, **kwargs) -> None:
+        built(self, *args, **kwargs)
+        poison(self)
+
+    Trainer.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Trainer.__init__ = built  # type: ignore[method-assign]
+
+
 def test_the_trainer_stops_at_a_step_whose_gradient_alone_is_not_finite_naming_where_to_go_on(
     tiny_lm_dir, tiny_conversations, tmp_path: Path
 ) -> None:
     """Poisoned from the first step: nothing to resume from, the run starts again. Poisoned at step 3
     of a run saving every step: it resumes from step 2's checkpoint, named."""
-    trainer = Trainer(small_config(tiny_conversations, tmp_path / "a", "train.max_steps=2"), log=quiet)
-    poison_gradient(trainer.drafter)
-    with pytest.raises(
-        NonFiniteLoss,
-        match=r"^non-finite loss at step 1 \(epoch 0, batch 0.*\); no checkpoint was written: start the run "
-        r"again with a lower train\.lr, or inspect those samples$",
+    config = small_config(tiny_conversations, tmp_path / "a", "train.max_steps=2")
+    with (
+        poisoned(lambda trainer: poison_gradient(trainer.drafter)),
+        pytest.raises(
+            NonFiniteLoss,
+            match=r"^non-finite loss at step 1 \(epoch 0, batch 0.*\); no checkpoint was written: start the run "
+            r"again with a lower train\.lr, or inspect those samples$",
+        ),
     ):
-        trainer.run()
+        run_drafter_rank(config, None, False, quiet)
     run_dir = tmp_path / "b"
-    trainer = Trainer(
-        small_config(tiny_conversations, run_dir, "train.max_steps=4", "train.save_every=1"), log=quiet
-    )
-    weight = trainer.drafter.layers[0].mlp.down_proj.weight
-    weight.register_hook(lambda grad: grad * float("nan") if trainer.step >= 2 else grad)
-    with pytest.raises(NonFiniteLoss) as stopped:
-        trainer.run()
+    config = small_config(tiny_conversations, run_dir, "train.max_steps=4", "train.save_every=1")
+
+    def from_step_3(trainer: Trainer) -> None:
+        weight = trainer.drafter.layers[0].mlp.down_proj.weight
+        weight.register_hook(lambda grad: grad * float("nan") if trainer.step >= 2 else grad)
+
+    with poisoned(from_step_3), pytest.raises(NonFiniteLoss) as stopped:
+        run_drafter_rank(config, None, False, quiet)
     assert str(stopped.value).startswith("non-finite loss at step 3 ")
     assert str(stopped.value).endswith(
         f"; resume from {run_dir / 'checkpoints' / 'step_00000002'} with a lower train.lr, or inspect those samples"

@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +50,18 @@ def current_identity(config: RunConfig, recorded: list[dict[str, Any]] | None = 
     return entries
 
 
-def check_data_identity(config: RunConfig, *, resume: bool) -> tuple[list[dict[str, Any]], str | None]:
-    """The data's identity now and, on a resume whose data changed, the change in one line; refused
-    unless `train.allow_data_change`. Writes nothing: the run records it with its other files once its
-    start is through (`record_data_identity`), so a refused fresh start leaves no record."""
+@dataclass(frozen=True)
+class DataIdentity:
+    """The files a start reads, and how they differ from the run's last start (None: they do not)."""
+
+    files: list[dict[str, Any]]
+    change: str | None
+
+
+def check_data_identity(config: RunConfig, *, resume: bool) -> DataIdentity:
+    """The data's identity now; on a resume whose data changed, refused unless `train.allow_data_change`.
+    Writes nothing: the run records it once its start is through (`record_data_identity`), so a
+    refused fresh start leaves no record."""
     run_dir = Path(config.train.output_dir)
     recorded = _read(run_dir)["files"] if resume else []
     now = current_identity(config, recorded)
@@ -62,19 +72,20 @@ def check_data_identity(config: RunConfig, *, resume: bool) -> tuple[list[dict[s
             f"with the original data, or set {ALLOW_SETTING}=true to continue on the changed data "
             f"(recorded in {DATA_IDENTITY_FILE})"
         )
-    return now, change
+    return DataIdentity(now, change)
 
 
 def record_data_identity(
-    run_dir: Path, files: list[dict[str, Any]], change: str | None, *, resume: bool
+    run_dir: Path, identity: DataIdentity, *, resume: bool, log: Callable[[str], None]
 ) -> None:
-    """Record this start's data identity (`check_data_identity`'s) in the run directory, with the
-    accepted change, if any, and when it was accepted, after the earlier starts' accepted changes."""
+    """Record this start's data identity in the run directory, with the accepted change, if any (said
+    in the log too), after the earlier starts' accepted changes."""
     changes = _read(run_dir)["changes"] if resume else []
-    if change is not None:
+    if identity.change is not None:
+        log(f"warning: resuming on changed data, accepted by {ALLOW_SETTING}: {identity.change}")
         at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        changes = [*changes, {"at": at, "accepted_by": ALLOW_SETTING, "change": change}]
-    write_json_atomic(run_dir / DATA_IDENTITY_FILE, {"files": files, "changes": changes})
+        changes = [*changes, {"at": at, "accepted_by": ALLOW_SETTING, "change": identity.change}]
+    write_json_atomic(run_dir / DATA_IDENTITY_FILE, {"files": identity.files, "changes": changes})
 
 
 def describe_change(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str | None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from app.checkpoint.store import checkpoint_root, latest_checkpoint
 from app.data.batching import BatchPlanner, DataCursor
 from app.errors import JobFailed
 from app.model.objective import LossOutput
@@ -33,8 +34,8 @@ from app.telemetry.session import Telemetry
 
 
 class NonFiniteLoss(JobFailed):
-    """The loss became NaN/inf: the run stops, naming the step and the batches that did it; the trainer
-    adds where the run can go on from (`resuming_from`)."""
+    """The loss became NaN/inf: the run stops, naming the step and the batches that did it; the rank
+    that ran the trainer adds where the run can go on from (`resuming_from`)."""
 
     def __init__(self, step: int, round_: Round, advice: str = "") -> None:
         self.step, self.round = step, round_
@@ -46,9 +47,10 @@ class NonFiniteLoss(JobFailed):
             + (f"; {advice}" if advice else "")
         )
 
-    def resuming_from(self, checkpoint: Path | None) -> NonFiniteLoss:
-        """The same failure, advising the checkpoint the run resumes from (None: none was written, the
-        run starts again)."""
+    def resuming_from(self, run_dir: Path) -> NonFiniteLoss:
+        """The same failure, advising the checkpoint the run in `run_dir` resumes from (its newest; none
+        written: the run starts again)."""
+        checkpoint = latest_checkpoint(checkpoint_root(run_dir))
         where = (
             f"resume from {checkpoint}" if checkpoint else "no checkpoint was written: start the run again"
         )

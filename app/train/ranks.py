@@ -13,11 +13,13 @@ from app.checkpoint.run_dir import removed_if_left_empty
 from app.compile.prepare import prepare_target_rank
 from app.config import RunConfig
 from app.data.batching import BatchPlanner
+from app.data.identity import check_data_identity, record_data_identity
 from app.data.tokenize import pad_token_id
 from app.env.guard import check_environment
 from app.pipeline.distributed import Runtime
 from app.pipeline.inputs import load_run_inputs
 from app.pipeline.target_worker import TargetWorker
+from app.train.metrics import NonFiniteLoss
 from app.train.resume import precheck_resume
 from app.train.trainer import Trainer, TrainResult
 
@@ -29,10 +31,16 @@ def run_drafter_rank(config: RunConfig, runtime: Runtime | None, resume: bool, l
     is_logger = runtime is None or runtime.layout.is_logger
     if resume and is_logger:
         precheck_resume(config)  # before the data and the target load, not minutes later
+    data = check_data_identity(config, resume=resume) if is_logger else None
     # the logging rank creates the run directory (the others never touch it)
     with removed_if_left_empty(config.train.output_dir) if is_logger else contextlib.nullcontext():
         trainer = Trainer(config, resume=resume, log=log, runtime=runtime)
-    return trainer.run()
+    if data is not None:  # recorded once the start is through: a refused start leaves no record
+        record_data_identity(trainer.run_dir, data, resume=trainer.resumed, log=log)
+    try:
+        return trainer.run()
+    except NonFiniteLoss as error:  # its checkpoints settled: name the one to go on from
+        raise error.resuming_from(trainer.run_dir) from None
 
 
 def run_target_rank(config: RunConfig, runtime: Runtime, log: Log) -> None:

@@ -25,19 +25,11 @@ from typing import Any
 import torch
 
 from app.atomic import write_json_atomic
-from app.checkpoint.store import (
-    PREFIX,
-    check_run_directory,
-    checkpoint_root,
-    latest_checkpoint,
-    load_latest_checkpoint,
-)
+from app.checkpoint.store import PREFIX, check_run_directory, checkpoint_root, load_latest_checkpoint
 from app.checkpoint.writer import CheckpointWriteError, CheckpointWriter, SavedCheckpoint
 from app.compile.prepare import CompileReport, prepare_compiled_training
 from app.config import RunConfig
 from app.data.batching import BatchPlanner, DataCursor, plan_stats
-from app.data.identity import ALLOW_SETTING as DATA_CHANGE_SETTING
-from app.data.identity import check_data_identity, record_data_identity
 from app.data.tokenize import pad_token_id
 from app.env.guard import ALLOW_SETTING, EnvironmentCheck, check_environment
 from app.env.record import append_start
@@ -61,7 +53,7 @@ from app.telemetry.compile_watches import compile_watches
 from app.telemetry.hardware import reference_peak
 from app.telemetry.logline import legend
 from app.telemetry.reporter import HealthWatch, Reporter, RunStart
-from app.train.metrics import NonFiniteLoss, StepOutput, StepSums, TrainingMetrics
+from app.train.metrics import StepOutput, StepSums, TrainingMetrics
 from app.train.reporting import run_telemetry
 from app.train.resume import check_resumable, refuse_if_all_damaged
 from app.train.schedule import learning_rate, schedule_settings
@@ -154,11 +146,10 @@ class Trainer:
     # ---- the start --------------------------------------------------------------------------------
 
     def _check_start(self, resume: bool) -> EnvironmentCheck:
-        """The run directory, the data's identity and the environment, checked before the target and the
-        data load: a wrong directory, changed data or a drifted environment is refused in seconds."""
+        """The run directory and the environment, checked before the target and the data load: a wrong
+        directory or a drifted environment is refused in seconds, not minutes."""
         if self.is_logger:
             check_run_directory(self.run_dir, resume)
-            self.data_identity = check_data_identity(self.config, resume=resume)
         return check_environment(
             self.run_dir if self.is_logger else None,
             resume=resume,
@@ -296,11 +287,6 @@ class Trainer:
             self._report_checkpoints(self.checkpoints.completed(block=True))
         except TrainingStopped:
             raise
-        except NonFiniteLoss as error:
-            self._settle_checkpoints()  # the write in flight (of a finite step) is one to go on from
-            failure = error.resuming_from(latest_checkpoint(checkpoint_root(self.run_dir)))
-            exit_reason = f"failed: NonFiniteLoss: {failure}"
-            raise failure from None
         except BaseException as error:
             exit_reason = (
                 f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
@@ -474,10 +460,6 @@ class Trainer:
             self.log(f"warning: DEGRADED start, accepted by {ALLOW_SETTING}: {line}")
         for line in check.notes:
             self.log(f"note: {line}")
-        files, change = self.data_identity
-        record_data_identity(self.run_dir, files, change, resume=self.resumed)
-        if change is not None:
-            self.log(f"warning: resuming on changed data, accepted by {DATA_CHANGE_SETTING}: {change}")
         environment = {"start": start.start, "accepted": start.accepted}
         self.telemetry.on_start(
             RunStart(self.run_dir, config, check.fingerprint, self.compile_report.to_dict(), environment)
