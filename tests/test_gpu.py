@@ -589,8 +589,8 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
     `compile_target` replaced transformers' RoPE), each prompt answered as the target answers it alone (fp32, so that an argmax does
     not turn on bf16 rounding) also when rows take new prompts mid-call and wrap the ring of slots, no
     NaN from the pad rows' masked keys."""
-    from app.compile.apply import compile_decode_step
-    from app.model.decode import BatchDecoder, DecodeShape
+    from app.generate.build import batch_decoder
+    from app.generate.step import DecodeShape
     from tests.test_speculative import random_target_config as small_random_target
 
     raw = small_random_target()
@@ -598,8 +598,8 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
     raw["train"]["device"] = "cuda"
     target = load_target(validate_config(raw), "cuda")
     prompts = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202]]
-    decoder = BatchDecoder(target.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=24), [])
-    compile_decode_step(decoder)
+    shape = DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=24)
+    decoder = batch_decoder(target.model, shape, [], compiled=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     assert decoder.warm_up() > 0  # compiles here: the stream below compiles nothing more
@@ -612,15 +612,15 @@ def test_the_decode_step_compiles_once_into_cuda_graphs_and_answers_as_the_targe
             torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0
         )
         assert answer == reference[0, len(prompt) :].tolist()
-    assert all(torch.isfinite(layer.keys).all() for layer in decoder.cache.layers)
+    assert all(torch.isfinite(layer.keys).all() for layer in decoder.ring.cache.layers)
 
 
 def test_the_compiled_step_reads_ring_blocks_and_answers_as_the_eager_dense_mask() -> None:
     """The compiled step's flex attention over the ring blocks in use (`ring_blocks`, 64-slot blocks,
     a ring of 4 of them that wraps as 2 rows take 6 prompts) gives the answers of the eager step's
     dense mask (fp32): a block missing from a row's list, or one too many unmasked, changes them."""
-    from app.compile.apply import compile_decode_step
-    from app.model.decode import BatchDecoder, DecodeShape
+    from app.generate.build import batch_decoder
+    from app.generate.step import DecodeShape
     from tests.test_speculative import random_target_config as small_random_target
 
     raw = small_random_target()
@@ -629,10 +629,9 @@ def test_the_compiled_step_reads_ring_blocks_and_answers_as_the_eager_dense_mask
     target = load_target(validate_config(raw), "cuda")
     prompts = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202], [7] * 30, [31, 2]]
     shape = DecodeShape(rows=2, max_prompt_tokens=40, max_new_tokens=200, ring_block=64)
-    eager = BatchDecoder(target.model, shape, []).decode(prompts)
-    compiled = BatchDecoder(target.model, shape, [])
-    compile_decode_step(compiled)
-    assert compiled.block_sparse and shape.cache_length == 256
+    eager = batch_decoder(target.model, shape, [], compiled=False).decode(prompts)
+    compiled = batch_decoder(target.model, shape, [], compiled=True)
+    assert compiled.ring.block_sparse and shape.cache_length == 256
     assert compiled.decode(prompts) == eager
 
 

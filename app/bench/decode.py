@@ -11,9 +11,10 @@ from collections.abc import Callable
 from app.bench.profile import profile_table
 from app.compile.warmup import synchronize
 from app.config import RunConfig
-from app.datagen.local import local_decoder, render_prompt
+from app.datagen.local import render_prompt
 from app.datagen.prompts import load_prompts
 from app.errors import UserError
+from app.generate.build import local_decoder
 
 
 def run_decode_bench(config: RunConfig, count: int, profile_steps: int, log: Callable[[str], None]) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from app.bench.profile import profile_table
 from app.compile.apply import compile_drafter
+from app.compile.guard import steady_state
 from app.compile.warmup import synchronize, synthetic_batches
 from app.config import RunConfig
 from app.data.batch import DrafterRow, FeatureBatch
@@ -323,11 +324,8 @@ def _no_recompiles(device: torch.device):
     if device.type != "cuda":
         yield
         return
-    torch.compiler.set_stance("fail_on_recompile")
-    try:
+    with steady_state():
         yield
-    finally:
-        torch.compiler.set_stance("default")
 
 
 def _timed(step, batch: FeatureBatch, device: torch.device) -> float:

@@ -22,7 +22,6 @@ from torch.compiler._cache import CacheArtifactManager
 from torch.nn.attention.flex_attention import flex_attention
 
 from app.model.attention import FlexKernel
-from app.model.decode import BatchDecoder
 from app.model.drafter import CompiledKernels, DFlashDrafter
 from app.model.target import TargetModel
 
@@ -54,8 +53,8 @@ def compile_target(target: TargetModel) -> int:
     graph per module kind and layout serves every batch shape of the run (and recompiling never
     happens for a new shape). The projections (cuBLAS), attention and library kernels such as
     flash-linear-attention's stay as they are: whole decoder layers compiled measured 0.87-0.96x of
-    eager. Eval's cached decoding calls these at other shapes: it runs under the `force_eager`
-    stance (`app.evaluate.evaluator`)."""
+    eager. Eval's cached decoding calls these at other shapes: it runs them eagerly
+    (`app.compile.guard.eagerly`)."""
     require_main_thread("the target's position-wise modules")
     modules = target.position_wise_modules()
     for module in modules:
@@ -66,21 +65,22 @@ def compile_target(target: TargetModel) -> int:
     return len(modules)
 
 
-def compile_decode_step(decoder: BatchDecoder) -> None:
-    """Compile the target's batched decode step (`app.model.decode`) into CUDA graphs: one token per
-    row through the whole model, at the decoder's one shape, so it compiles on its first call and
-    never again in the process (fullgraph: a graph break would be an error, not a quiet slow path; so
-    is a graph inductor would not capture).
+def compile_decode_step(
+    step: Callable[..., torch.Tensor], device: torch.device
+) -> Callable[..., torch.Tensor]:
+    """`step` (the target's batched decode step, `app.generate.step.RingStep`) compiled into CUDA
+    graphs: one token per row through the whole model, at the decoder's one shape, so it compiles on
+    its first call and never again in the process (fullgraph: a graph break would be an error, not a
+    quiet slow path; so is a graph inductor would not capture).
     Eager, a 30-layer target's step is hundreds of kernel launches from Python for a few microseconds
     of work each; replayed as a graph it runs at the GPU's pace."""
-    if decoder.model.device.type != "cuda":
+    if device.type != "cuda":
         raise RuntimeError("compile_decode_step: only on CUDA (CUDA graphs)")
     require_main_thread("the target's decode step")
-    decoder.block_sparse = True  # flex attention over the ring blocks in use: fused in this graph
     # "reduce-overhead"'s one option, plus an error where inductor would otherwise skip the graphs
     # quietly (a mutated input, say) and launch every kernel from Python
     options = {"triton.cudagraphs": True, "triton.cudagraph_or_error": True}
-    decoder.step = torch.compile(decoder.decode_step, options=options, dynamic=False, fullgraph=True)
+    return torch.compile(step, options=options, dynamic=False, fullgraph=True)
 
 
 # transformers' own `apply_rotary_pos_emb` per modeling module, so compiling a second target of the

@@ -32,9 +32,8 @@ from app.compile.environment import CompileDirs, ensure_user_and_home, key_induc
 from app.compile.guard import (
     baseline_step_time,
     compiles_on,
-    enter_steady_state,
     read_counters,
-    recompile_errors,
+    steady_state,
     verify_fx_trace_flags,
 )
 from app.compile.key import cache_key, key_fields
@@ -139,12 +138,8 @@ def _compile_and_save(
     phase(warm_up_target(config, target, device))  # its compiled norms, MLPs and RoPE, at both shape ends
 
     phase(f"timing {TIMED_STEPS} optimizer steps (a recompile here fails the build)")
-    enter_steady_state()
-    try:
-        with recompile_errors():
-            timing = time_training_steps(config, step, target, steps=TIMED_STEPS)
-    finally:
-        torch.compiler.set_stance("default")
+    with steady_state():
+        timing = time_training_steps(config, step, target, steps=TIMED_STEPS)
     counters = read_counters() - before
     verify_fx_trace_flags()
 

@@ -153,6 +153,24 @@ def enter_steady_state() -> None:
 
 
 @contextlib.contextmanager
+def steady_state() -> Iterator[None]:
+    """A recompile inside raises a one-line `RecompileError`; the default stance after."""
+    enter_steady_state()
+    try:
+        with recompile_errors():
+            yield
+    finally:
+        torch.compiler.set_stance("default")
+
+
+def eagerly() -> contextlib.AbstractContextManager[None]:
+    """Every torch.compile'd function runs eagerly inside (a context, or a decorator): where shapes
+    change every call (decoding, eval), a training run's compiled modules would otherwise compile
+    again for each, which after warm-up is an error."""
+    return torch.compiler.set_stance("force_eager")
+
+
+@contextlib.contextmanager
 def recompile_errors() -> Iterator[None]:
     """Turn dynamo's multi-line fail_on_recompile error into a one-line RecompileError with the reason."""
     try:

@@ -2,7 +2,7 @@
 
 For a target that fits one GPU (the quality benchmark's built-in SmolLM2), no inference server is
 needed: prompts are rendered with the target's chat template, sorted by length, and answered by
-`app.model.decode.BatchDecoder` in `local_rows` rows, each row taking the next prompt as its answer
+`app.generate.decoder.BatchDecoder` in `local_rows` rows, each row taking the next prompt as its answer
 ends (on CUDA its decode step runs as CUDA graphs, its kernels kept in the run's inductor directory,
 `compile.inductor_dir`, so that a rerun loads them instead of compiling for most of a minute). The
 output directory is the same as the servers' engine writes, shard for shard: the same columns, resume
@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +72,8 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
             )
             run.flush(force=True)
             return run.report
+        from app.generate.build import local_decoder  # the target and torch: after the checks above
+
         decoder = local_decoder(
             config,
             tokenizer,
@@ -85,50 +86,6 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
         return run.report
     finally:
         store.close()
-
-
-def local_decoder(
-    config: RunConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[list[int]],
-    log: Callable[[str], None],
-) -> Any:
-    """The run's target and its batched decoder for `prompts` (`datagen.local_rows` rows, the longest
-    prompt, `datagen.max_tokens`; on CUDA its step compiled and warmed up before any prompt, so that
-    the stream's figures are its own: the kernels in the run's inductor directory, `log` told how
-    long it took)."""
-    from app.model.decode import BatchDecoder, DecodeShape
-    from app.model.loading import pick_device, stop_token_ids
-    from app.model.target import load_target
-
-    datagen = config.datagen
-    device = pick_device(config.train.device)
-    if device.type == "cuda":  # the decode step's kernels persist where training's do, never /tmp
-        from app.compile.environment import resolve_inductor_dir, use_compile_dirs
-
-        use_compile_dirs(resolve_inductor_dir(config.compile))
-    target = load_target(config, device)
-    shape = DecodeShape(
-        rows=min(datagen.local_rows, len(prompts)),
-        max_prompt_tokens=max(map(len, prompts)),
-        max_new_tokens=datagen.max_tokens,
-    )
-    decoder = BatchDecoder(
-        target.model,
-        shape,
-        stop_token_ids(tokenizer, target),
-        temperature=datagen.temperature,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-    )
-    if device.type == "cuda":
-        from app.compile.apply import compile_decode_step
-
-        compile_decode_step(decoder)
-        log(
-            f"the decode step compiled and captured in {decoder.warm_up():.1f} s "
-            f"(rows {shape.rows}, ring {shape.cache_length} slots; once per process, its kernels cached)"
-        )
-    return decoder
 
 
 def render_prompt(

@@ -16,13 +16,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from app.compile.guard import eagerly
 from app.config import RunConfig
 from app.errors import UserError
 from app.evaluate.lossless import LosslessCheck, check_lossless
 from app.evaluate.predictability import answer_predictability
 from app.evaluate.replay import evaluate_replay
 from app.evaluate.result import EvalResult
-from app.model.decode import DecodeShape, batch_decoder
+from app.generate.build import greedy_decoder
+from app.generate.step import DecodeShape
 from app.model.drafter import DFlashDrafter
 from app.model.loading import stop_token_ids
 from app.model.target import TargetModel
@@ -81,9 +83,8 @@ class Evaluator:
         self._report(
             f"eval: the target answers {len(self.prompts)} prompts (up to {self.max_new_tokens} tokens each)"
         )
-        with torch.compiler.set_stance("force_eager"):  # see `decoding`
-            decoder = batch_decoder(self.target.model, shape, self.stop_token_ids, self.pad_token_id)
-            answers = decoder.decode(self.prompts)
+        decoder = greedy_decoder(self.target.model, shape, self.stop_token_ids, self.pad_token_id)
+        answers = decoder.decode(self.prompts)
         seconds = time.monotonic() - started
         tokens = sum(map(len, answers))
         self._report(
@@ -95,7 +96,7 @@ class Evaluator:
     def predictability(self) -> dict[str, dict[str, Any]]:
         """How sure the target is of its own answers' tokens, per domain (`app.evaluate.predictability`):
         what bounds every drafter's acceptance on these prompts."""
-        with torch.compiler.set_stance("force_eager"):  # see `decoding`
+        with eagerly():  # see `decoding`
             return answer_predictability(
                 self.target, self.prompts, self.answers, self.domains, self.autocast_dtype
             )
@@ -144,7 +145,7 @@ def decoding(drafter: DFlashDrafter) -> Iterator[None]:
     was_training = drafter.training
     drafter.eval()
     try:
-        with torch.compiler.set_stance("force_eager"):
+        with eagerly():
             yield
     finally:
         drafter.train(was_training)

@@ -5,7 +5,7 @@ speculative decode emits exactly the target's greedy decode, and a round that st
 sees the target's features of every position before p. So the rounds can be replayed without the
 round-by-round loop:
 
-1. the target answers all prompts greedily together (`app.model.decode`), cut at the token budget
+1. the target answers all prompts greedily together (`app.generate.decoder`), cut at the token budget
    and the end token as a serving engine stops;
 2. one target forward per answered sequence gives the features of every position;
 3. the drafter drafts a block at every position where a round can start, all at once, over one

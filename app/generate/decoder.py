@@ -3,20 +3,11 @@
 Where the target itself answers, in this process: regeneration without an inference server
 (`datagen.engine = "local"`) and eval, which replays the target's greedy decode
 (`app.evaluate.replay`). `BatchDecoder.stream` answers any number of prompts through `rows` rows that
-are refilled as they finish (continuous batching), at one shape:
-
-1. every row holds one prompt at a time in its own row of a static KV cache of `cache_length` slots,
-   written as a ring: step t writes slot `t % cache_length` of every row, and a row sees the slots
-   it wrote since its prompt began (a prompt and its answer never exceed the ring);
-2. one step feeds one token per row, `[rows, 1]`: the row's next prompt token while it reads its prompt,
-   else the token it chose last. That step is the only thing a GPU run compiles (`app.compile.apply.
-   compile_decode_step`, CUDA graphs): its shape never changes, so it compiles once per process.
-   Compiled, its attention reads only the ring blocks a row's slots lie in (flex attention over
-   `ring_blocks`: a row early in its answer reads a block or two, not the whole ring); eager (eval's
-   replay, a CPU), SDPA reads every slot under the same rule as a dense mask;
-3. a row's answer ends after its first stop token or at `max_new_tokens`; then the row takes the next
-   prompt. The host reads the chosen tokens every `STOP_CHECK_EVERY` steps (one small device read), so
-   decoding never waits on it: a finished row idles until then.
+are refilled as they finish (continuous batching), at one shape, through one decode step over a ring
+of cache slots (`app.generate.step.RingStep`, compiled or eager as it was built, `app.generate.build`).
+A row's answer ends after its first stop token or at `max_new_tokens`; then the row takes the next
+prompt. The host reads the chosen tokens every `STOP_CHECK_EVERY` steps (one small device read), so
+decoding never waits on it: a finished row idles until then.
 
 Prompts are read at one token per step rather than in a prefill: every step keeps its one shape, and
 no row waits for the longest answer of a batch (what fixed batches idled: docs/architecture.md,
@@ -29,53 +20,21 @@ sliding windows) cannot take this one mask over a static cache: they decode thro
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from transformers import AttentionInterface, PreTrainedModel, StaticCache
-from transformers.cache_utils import StaticLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import PreTrainedModel
 
+from app.compile.guard import eagerly
 from app.errors import UserError
+from app.generate.attention import packed_attention
+from app.generate.step import DecodeShape, DecodeStep, RingStep
 
 STOP_CHECK_EVERY = 16
 """Decode steps between the host's reads of the chosen tokens (finished rows idle until then)."""
-
-PACKED_ATTENTION = "dflash_packed_decode"
-"""The attention implementation a decode call runs the target with (`packed_decode_attention`)."""
-
-RING_BLOCK = 128
-"""Slots per block of the ring that the compiled step's attention reads or skips as a whole (flex
-attention's KV block); the ring is a whole number of them."""
-
-DecodeStep = Callable[..., torch.Tensor]
-"""`(last [R], prompts [R, P], prompt_lengths [R], first_step [R], step [], noise [R, V] | None) ->
-the tokens chosen [R]` (`BatchDecoder.decode_step`)."""
-
-
-@dataclass(frozen=True)
-class DecodeShape:
-    """The fixed shape of a decoder: `rows` rows over `cache_length` cache slots each."""
-
-    rows: int
-    """Prompts decoded at once (a row that finds no prompt left idles)."""
-    max_prompt_tokens: int
-    """The longest prompt a call may hold."""
-    max_new_tokens: int
-    """Most tokens generated per prompt (the stop token included)."""
-    ring_block: int = RING_BLOCK
-    """Slots per ring block (the ring is a whole number of them)."""
-
-    @property
-    def cache_length(self) -> int:
-        """The ring's slots: a prompt and its answer, rounded up to whole `ring_block`s."""
-        return -(-(self.max_prompt_tokens + self.max_new_tokens) // self.ring_block) * self.ring_block
 
 
 @dataclass
@@ -125,41 +84,29 @@ class _Row:
 
 
 class BatchDecoder:
-    """Greedy (or sampled) answers of an attention-only target to many prompts (module docstring)."""
+    """Greedy (or sampled) answers of an attention-only target to many prompts (module docstring).
+    `compiled`: `ring` compiled (`app.compile.apply.compile_decode_step`), the step every call runs;
+    None runs `ring` itself with every compiled function of the process eager (a training run's
+    compiled target modules must not compile again for decoding's inference tensors)."""
 
     def __init__(
         self,
-        model: PreTrainedModel,
-        shape: DecodeShape,
+        ring: RingStep,
         stop_ids: Collection[int],
         *,
-        temperature: float = 0.0,
+        compiled: DecodeStep | None = None,
         pad_token_id: int = 0,
     ) -> None:
-        if shape.rows < 1 or shape.max_prompt_tokens < 1 or shape.max_new_tokens < 1:
-            raise UserError(f"decode: rows, prompt and new-token limits must be >= 1, got {shape}")
-        if not supports_static_cache(model):
-            raise UserError(f"decode: {type(model).__name__} has layers a static attention cache cannot hold")
-        self.model = model
+        shape = ring.shape
+        self.ring = ring
+        self.model = ring.model
         self.shape = shape
-        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=model.device)
-        self.temperature = temperature
+        self.step: DecodeStep = compiled if compiled is not None else eagerly()(ring)
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.model.device)
         self.pad_token_id = pad_token_id
-        self.cache = StaticCache(config=model.config, max_cache_len=shape.cache_length)
         self.stats = DecodeStats()
         """The last `stream`'s cost (its figures grow while it runs)."""
-        self.step: DecodeStep = self.decode_step
-        """The decode step; `app.compile.apply.compile_decode_step` replaces it with its compiled self."""
-        self.block_sparse = False
-        """Whether the step's attention reads only the ring blocks a row uses (flex attention, set by
-        `compile_decode_step`: fused only when compiled) rather than every slot under a dense mask."""
-        config = model.config.get_text_config()
-        self.query_group = config.num_attention_heads // getattr(
-            config, "num_key_value_heads", config.num_attention_heads
-        )
-        """Query heads per KV head: the queries of a row's packed attention (`packed_decode_attention`)."""
-        self.key_slots = torch.arange(shape.cache_length, device=model.device)
-        rows, device = shape.rows, model.device
+        rows, device = shape.rows, self.model.device
         self.prompts = torch.zeros(rows, shape.max_prompt_tokens, dtype=torch.long, device=device)
         """Each row's prompt, read one token per step from `first_step` on."""
         self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
@@ -246,7 +193,7 @@ class BatchDecoder:
         with torch.inference_mode():
             step = self.first_step.max().clone()
             last = torch.zeros(self.shape.rows, dtype=torch.long, device=device)
-            noise = torch.zeros(self.shape.rows, vocab, device=device) if self.temperature else None
+            noise = torch.zeros(self.shape.rows, vocab, device=device) if self.ring.temperature else None
 
         @torch.inference_mode()
         def steps() -> None:
@@ -259,7 +206,7 @@ class BatchDecoder:
 
     # eager: a compiled function it meets (`compile_target`'s RoPE, replaced for the whole process) must
     # not compile again for these inference tensors
-    @torch.compiler.set_stance("force_eager")
+    @eagerly()
     def _prefill(
         self, prompts: Sequence[Sequence[int]], queue: deque[int], held: list, generator: torch.Generator
     ) -> tuple[torch.Tensor, int]:
@@ -267,7 +214,7 @@ class BatchDecoder:
         (a row with no prompt, or a pad query, sees only its own slot: finite, never seen); the token
         each row chose and the next step."""
         device = self.model.device
-        self.cache.reset()
+        self.ring.cache.reset()
         wave = [queue.popleft() for _ in range(min(len(queue), self.shape.rows))]
         longest = max(len(prompts[index]) for index in wave)
         ids = torch.full((self.shape.rows, longest), self.pad_token_id)
@@ -280,18 +227,19 @@ class BatchDecoder:
         self.lengths.copy_(lengths)
         self.first_step.copy_(longest - lengths)  # a row with no prompt starts after the prefill
         query = torch.arange(longest, device=device)
-        causal = self.key_slots[None, :] <= query[:, None]  # [P, L]
-        own = self.key_slots[None, :] == query[:, None]
-        visible = (causal[None] & (self.key_slots >= self.first_step[:, None, None])) | own[None]
+        key_slots = self.ring.key_slots
+        causal = key_slots[None, :] <= query[:, None]  # [P, L]
+        own = key_slots[None, :] == query[:, None]
+        visible = (causal[None] & (key_slots >= self.first_step[:, None, None])) | own[None]
         logits = self.model(
             input_ids=ids.to(device),
             position_ids=(query[None, :] - self.first_step[:, None]).clamp(min=0),
             attention_mask=visible[:, None],
-            cache=self.cache,
+            cache=self.ring.cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        return self._pick(logits, self._noise(generator)), longest
+        return self.ring.pick(logits, self._noise(generator)), longest
 
     def _refill(self, prompts: Sequence[Sequence[int]], queue: deque[int], held: list, steps: int) -> None:
         """The next prompts into the free rows from step `steps` on; a row left free restarts its
@@ -327,66 +275,19 @@ class BatchDecoder:
                     yield state.prompt, state.answer
                     break
 
-    def decode_step(
-        self,
-        last: torch.Tensor,
-        prompts: torch.Tensor,
-        lengths: torch.Tensor,
-        first_step: torch.Tensor,
-        step: torch.Tensor,
-        noise: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One token per row at step `step`: the row's prompt token at its position (`step -
-        first_step`) while it reads its prompt, else `last`; it sees the ring's slots written since
-        `first_step`, and the token chosen after it comes back."""
-        position = step - first_step
-        reading = position < lengths
-        prompt_token = prompts.gather(1, position.clamp(max=prompts.shape[1] - 1)[:, None])[:, 0]
-        tokens = torch.where(reading, prompt_token, last)
-        ring = self.shape.cache_length
-
-        def written_since_first_step(row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-            """Whether `slot` was last written at or after the row's `first_step` (the row's own)."""
-            return step - torch.remainder(step - slot, ring) >= first_step[row]
-
-        if self.block_sparse:
-            visible: torch.Tensor | BlockMask = ring_blocks(
-                first_step, step, ring, self.shape.ring_block, written_since_first_step, self.query_group
-            )
-        else:
-            rows = torch.arange(first_step.shape[0], device=first_step.device)
-            visible = written_since_first_step(rows[:, None], self.key_slots[None, :])[:, None, None, :]
-        logits = self.model(
-            input_ids=tokens[:, None],
-            position_ids=position[:, None],
-            attention_mask=visible,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        for layer in self.cache.layers:  # the cache writes at its own count: keep it on the ring
-            layer.cumulative_length.remainder_(ring)
-        return self._pick(logits, noise)
-
     def _noise(self, generator: torch.Generator) -> torch.Tensor | None:
         """Gumbel noise for sampling, drawn outside the compiled step from the call's own generator
         (the same seed gives the same answers, compiled or not)."""
-        if self.temperature == 0:
+        if self.ring.temperature == 0:
             return None
         vocab = self.model.config.get_text_config().vocab_size
         uniform = torch.rand(self.shape.rows, vocab, generator=generator, device=self.model.device)
         return -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
 
-    def _pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """argmax, or a sample at `temperature` (the Gumbel-max trick)."""
-        if noise is None:
-            return logits.argmax(dim=-1)
-        return (logits.float() / self.temperature + noise).argmax(dim=-1)
-
 
 class GenerateDecoder:
     """The same calls for targets a static attention cache cannot hold: transformers' `generate`,
-    left-padded batches, eager. Greedy only (eval's replay)."""
+    left-padded batches, every compiled function of the process eager. Greedy only (eval's replay)."""
 
     def __init__(
         self, model: PreTrainedModel, shape: DecodeShape, stop_ids: Collection[int], pad_token_id: int = 0
@@ -404,6 +305,7 @@ class GenerateDecoder:
         ]
 
     @torch.inference_mode()
+    @eagerly()
     def _batch(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         longest = max(map(len, prompts))
         device = self.model.device
@@ -420,107 +322,6 @@ class GenerateDecoder:
             pad_token_id=self.pad_token_id,
         )
         return [cut_at_stop(row, self.stop_ids) for row in output[:, longest:].tolist()]
-
-
-@contextlib.contextmanager
-def packed_attention(model: PreTrainedModel) -> Iterator[None]:
-    """The target's attention runs `packed_decode_attention` inside, its own implementation after."""
-    AttentionInterface.register(PACKED_ATTENTION, packed_decode_attention)
-    text = model.config.get_text_config()
-    configs = [model.config] if text is model.config else [model.config, text]
-    before = [config._attn_implementation for config in configs]
-    for config in configs:
-        config._attn_implementation = PACKED_ATTENTION
-    try:
-        yield
-    finally:
-        for config, implementation in zip(configs, before, strict=True):
-            config._attn_implementation = implementation
-
-
-def packed_decode_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """A decode step's attention with grouped query heads read against each KV head as if they were
-    that head's queries (`[rows, heads, 1, d] -> [rows, kv heads, heads / kv heads, d]`), so the cache
-    is read once per KV head. transformers' SDPA path repeats the KV heads to the query heads first
-    when compiled: a copy of the whole cache per layer and step, which reading it in place saves (BENCHMARKS.md,
-    2026-12-03, second session). A prefill (several queries) is SDPA's."""
-    rows, heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    if isinstance(attention_mask, BlockMask):
-        # packed as below, not flex's own GQA handling: 3.5x faster (BENCHMARKS.md, 2026-12-03, fifth session)
-        packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-        out = flex_attention(packed, key, value, block_mask=attention_mask, scale=scaling)
-        return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
-    if length != 1 or kv_heads == heads:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    packed = query.reshape(rows, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
-
-
-def ring_blocks(
-    first_step: torch.Tensor,
-    step: torch.Tensor,
-    ring: int,
-    block: int,
-    visible: Callable[..., torch.Tensor],
-    queries: int = 1,
-) -> BlockMask:
-    """The flex block mask of one decode step: each row reads only the blocks of `block` slots its arc
-    of the ring covers (the slots written from its `first_step` to `step`, wrapping at `ring`), and
-    inside them the slots `visible(row, slot)` allows, for each of its `queries` (the query heads
-    packed onto one KV head, `packed_decode_attention`). The arc starts in the block of slot
-    `first_step % ring`; it covers its offset in that block plus `step - first_step + 1` slots, at
-    most the ring."""
-    rows, blocks = first_step.shape[0], ring // block
-    start = torch.remainder(first_step, ring)
-    count = torch.clamp((start % block + step - first_step + block) // block, max=blocks)
-    order = torch.remainder(start[:, None] // block + torch.arange(blocks, device=step.device), blocks)
-
-    def mask_mod(
-        row: torch.Tensor, head: torch.Tensor, query: torch.Tensor, slot: torch.Tensor
-    ) -> torch.Tensor:
-        return visible(row, slot)
-
-    return BlockMask.from_kv_blocks(
-        count.to(torch.int32).view(rows, 1, 1),
-        order.to(torch.int32).view(rows, 1, 1, blocks),
-        BLOCK_SIZE=block,
-        mask_mod=mask_mod,
-        seq_lengths=(queries, ring),
-    )
-
-
-def batch_decoder(
-    model: PreTrainedModel,
-    shape: DecodeShape,
-    stop_ids: Collection[int],
-    pad_token_id: int = 0,
-) -> BatchDecoder | GenerateDecoder:
-    """The greedy decoder that fits the target: static-cache batches where it can, `generate` else."""
-    if supports_static_cache(model):
-        return BatchDecoder(model, shape, stop_ids, pad_token_id=pad_token_id)
-    return GenerateDecoder(model, shape, stop_ids, pad_token_id)
-
-
-def supports_static_cache(model: PreTrainedModel) -> bool:
-    """Whether every layer of the target's static cache is a plain full-attention layer (no linear
-    attention, no sliding window), so that one mask over all its slots is right for every layer."""
-    try:
-        cache = StaticCache(config=model.config, max_cache_len=1)
-    except (ValueError, KeyError, NotImplementedError):
-        # a layer type transformers has no static cache for (its mapping has no key for it): not plain
-        return False
-    return all(type(layer) is StaticLayer for layer in cache.layers)
 
 
 def cut_at_stop(tokens: list[int], stop_ids: torch.Tensor) -> list[int]:
