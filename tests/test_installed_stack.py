@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from app.env import assess, collect_fingerprint, diff_fingerprints
-from app.env.health import edited_file_findings
-from app.env.integrity import edited_files
+from app.env.health import edited_file_findings, startup_file_findings
+from app.env.integrity import edited_files, startup_files
 from app.env.origins import site_packages
 from app.env.preflight import require_locked_versions
 from app.errors import UserError
@@ -177,3 +177,60 @@ def test_a_file_edited_inside_an_installed_package_is_named_with_its_fix(tmp_pat
     with pytest.raises(UserError) as refused:
         require_locked_versions(allow_drift=False, search_path=[str(site), *sys.path])
     assert str(refused.value).endswith("safetensors/torch.py (content); fix: remove that safetensors copy")
+
+
+def test_a_same_size_edit_of_a_source_triton_compiles_at_run_time_is_named(tmp_path: Path) -> None:
+    """triton compiles `backends/nvidia/driver.c` at run time: a patch that keeps its size is an edit
+    (sources compiled at run time are hashed, not compared by size)."""
+    installed = metadata.distribution("triton")
+    record = next(line for line in installed.read_text("RECORD").splitlines() if "nvidia/driver.c," in line)
+    source = record.split(",")[0]
+    site = tmp_path / "site"
+    info = site / f"triton-{installed.version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: triton\nVersion: {installed.version}\n")
+    (info / "RECORD").write_text(record + "\n")
+    text = Path(str(installed.locate_file(source))).read_text()
+    (site / source).parent.mkdir(parents=True)
+    (site / source).write_text(text.replace("return NULL;", "return 0L  ;", 1))  # same size, another program
+    assert len((site / source).read_bytes()) == len(text.encode())
+    edited = edited_files([str(site)], packages=["triton"])
+    assert [(e["file"], e["why"]) for e in edited] == [(source, "content")]
+
+
+def test_a_startup_file_no_package_installed_or_one_edited_is_a_problem(tmp_path: Path) -> None:
+    """A `.pth` in site-packages runs its `import` lines at every interpreter start. setuptools'
+    own `distutils-precedence.pth` (copied with its RECORD into a temporary site) is known; a planted
+    `hook.pth` is named with its removal, an edited copy of the known one with its reinstall; both are
+    breaking differences, and dflash train's early check refuses them."""
+    installed = metadata.distribution("setuptools")
+    site = tmp_path / "site"
+    site.mkdir()
+    info = f"setuptools-{installed.version}.dist-info"
+    shutil.copytree(installed.locate_file(info), site / info)
+    known = site / "distutils-precedence.pth"
+    shutil.copy(installed.locate_file("distutils-precedence.pth"), known)
+    assert startup_files([str(site)], [str(site)]) == []
+    (site / "hook.pth").write_text("import os; os.environ['TORCHINDUCTOR_FREEZING'] = '1'\n")
+    known.write_text(known.read_text().replace("local", "LOCAL"))
+    found = startup_files([str(site)], [str(site)])
+    assert found == [
+        {"file": str(known), "package": "setuptools", "why": "content"},
+        {"file": str(site / "hook.pth"), "package": None, "why": "no package installed it"},
+    ]
+    fingerprint = {"installed_files": {"startup": found}}
+    lines = [finding.line() for finding in startup_file_findings(fingerprint)]
+    assert lines[1] == (
+        f"{site / 'hook.pth'}: a startup file no installed package put there runs code at every interpreter "
+        f"start; fix: remove it (rm {site / 'hook.pth'})"
+    )
+    assert lines[0].startswith(
+        f"{known}: a startup file of setuptools differs from its wheel's RECORD (content); fix: ./uvw cache "
+        "clean setuptools, then ./uvw sync --reinstall-package setuptools"
+    )
+    assert [(d.field, d.breaking) for d in diff_fingerprints({}, fingerprint)] == [
+        ("installed_files.startup", True)
+    ]
+    with pytest.raises(UserError) as refused:
+        require_locked_versions(allow_drift=False, search_path=[str(site), *sys.path], site=[str(site)])
+    assert f"{site / 'hook.pth'}: a startup file no installed package put there" in str(refused.value)

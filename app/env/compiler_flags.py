@@ -4,7 +4,7 @@ They never show in the package list, yet `TORCHDYNAMO_DISABLE=1` left in a shell
 kernel eager and `TORCHINDUCTOR_FORCE_DISABLE_CACHES=1` makes every start ignore the baked compile
 cache; `TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1` changes the numerics of every fp32 matmul. The fingerprint
 records every variable of these families; the ones in `DEGRADING` are problems a run refuses to start
-with.
+with, and a change of one in `NUMERICS` is a breaking difference at resume.
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ RECORDED_PREFIXES = (
     "PYTORCH_",
     "TORCH_CUDNN_",
 )
-RECORDED_NAMES = (
-    "TORCH_LOGS", "TORCH_CACHING_PRECOMPILE", "TORCH_STRICT_PRECOMPILE", "CUDA_LAUNCH_BLOCKING",
-    # numerics: which matmul precision and kernels run, and the order a reduction sums in
+NUMERICS = (
     "NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "CUBLAS_WORKSPACE_CONFIG",
     "TORCH_BLAS_PREFER_CUBLASLT", "TORCH_BLAS_PREFER_HIPBLASLT", "NCCL_ALGO", "NCCL_PROTO",
+)  # fmt: skip
+"""Variables that change numerics (which matmul precision and kernels run, the order a reduction sums
+in): any change of one between two starts of a run is a breaking difference."""
+NUMERICS_WHY = "changes the numerics: matmul precision, the kernels chosen or a reduction's order"
+RECORDED_NAMES = (
+    "TORCH_LOGS", "TORCH_CACHING_PRECOMPILE", "TORCH_STRICT_PRECOMPILE", "CUDA_LAUNCH_BLOCKING", *NUMERICS,
 )  # fmt: skip
 _FALSE = {"", "0", "false", "no", "off"}
 

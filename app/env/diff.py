@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.env.compiler_flags import DEGRADING, DegradingFlag
+from app.env.compiler_flags import DEGRADING, NUMERICS, NUMERICS_WHY, DegradingFlag
 from app.env.packages import core_stack_rank
 
 Fingerprint = dict[str, Any]
@@ -64,6 +64,14 @@ def _listed_at(dotted: str) -> Callable[[Fingerprint], Any]:
     """Reader for a list that recordings from before it lack: absent and empty both read as None, so
     a resume of such a run is no difference."""
     return lambda fingerprint: _at(dotted)(fingerprint) or None
+
+
+def _startup_files(fingerprint: Fingerprint) -> list[str] | None:
+    startup = _at("installed_files.startup")(fingerprint) or []
+    return (
+        sorted(f"{entry.get('file')} ({entry.get('why')})" for entry in startup if isinstance(entry, dict))
+        or None
+    )
 
 
 def _edited_files(fingerprint: Fingerprint) -> list[str] | None:
@@ -112,6 +120,8 @@ RULES: tuple[_Rule, ...] = (
           "another causal-conv1d build"),
     _Rule("installed_files.edited", _edited_files, True,
           "a file of an installed package differs from its wheel (edited in site-packages)"),
+    _Rule("installed_files.startup", _startup_files, True,
+          "a startup file in site-packages (.pth, sitecustomize) runs code at every interpreter start"),
     _Rule("imports.shadowed", _listed_at("imports.shadowed"), True,
           "a copy outside the venv (PYTHONPATH) imports instead of the locked one"),
     _Rule("imports.pythonpath", _at("imports.pythonpath"), False,
@@ -170,6 +180,8 @@ def _compiler_env_differences(old: Fingerprint, new: Fingerprint) -> list[Differ
             breaking = flag is not None and _degrades(flag, before.get(name)) != _degrades(
                 flag, after.get(name)
             )
+            if name in NUMERICS:
+                why, breaking = NUMERICS_WHY, True
             differences.append(
                 Difference(f"compiler_env.{name}", before.get(name), after.get(name), breaking, why)
             )

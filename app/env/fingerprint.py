@@ -26,9 +26,9 @@ from typing import Any
 from app.atomic import write_json_atomic
 from app.env.compiler_flags import recorded_compiler_env
 from app.env.gpus import probe_gpus
-from app.env.integrity import CHECKED_PACKAGES, edited_files
+from app.env.integrity import CHECKED_PACKAGES, edited_files, startup_files
 from app.env.lock_closure import required_packages
-from app.env.origins import import_origins
+from app.env.origins import import_origins, site_packages
 from app.env.packages import installed_distributions, normalize_name, package_drift, read_lock, versions_in
 from app.env.project import code_hashes, find_project_root, git_revision, sha256_of
 from app.errors import UserError
@@ -76,7 +76,11 @@ def collect_fingerprint(
         "lock": lock,
         "packages": _packages_section(lock, search_path),
         "imports": import_origins(),
-        "installed_files": {"checked": list(CHECKED_PACKAGES), "edited": edited_files(search_path)},
+        "installed_files": {
+            "checked": list(CHECKED_PACKAGES),
+            "edited": edited_files(search_path),
+            "startup": startup_files(site_packages(), search_path),
+        },
         "fast_kernels": {module: _kernel_status(module, dist) for module, dist in FAST_KERNELS.items()},
         "compile_cache": _compile_cache_section(),
         "compiler_env": recorded_compiler_env(),

@@ -7,6 +7,7 @@ refuses to start); a **warning** is a risk to a run's speed or its caches; **inf
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,6 +49,7 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
         *_package_findings(fingerprint),
         *shadow_findings(fingerprint),
         *edited_file_findings(fingerprint),
+        *startup_file_findings(fingerprint),
         *_compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
         *_bytecode_findings(fingerprint),
@@ -199,6 +201,21 @@ def edited_file_findings(fingerprint: dict[str, Any]) -> list[Finding]:
             fix = removal_fix(f"that {name} copy", [location], imports.get("pythonpath"))
         else:
             fix = REINSTALL.format(name=name)
+        found.append(Finding("problem", message, fix))
+    return found
+
+
+def startup_file_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+    """A `.pth` or `sitecustomize.py` in site-packages that no package installed, or edited since: code
+    that runs at every interpreter start, before any check."""
+    found = []
+    for entry in (fingerprint.get("installed_files") or {}).get("startup") or []:
+        if entry["package"] is None:
+            message = f"{entry['file']}: a startup file no installed package put there runs code at every interpreter start"
+            fix = f"remove it (rm {shlex.quote(entry['file'])})"
+        else:
+            message = f"{entry['file']}: a startup file of {entry['package']} differs from its wheel's RECORD ({entry['why']})"
+            fix = REINSTALL.format(name=entry["package"])
         found.append(Finding("problem", message, fix))
     return found
 

@@ -20,8 +20,8 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 
 from app.env.guard import ALLOW_SETTING
-from app.env.health import SYNC, edited_file_findings, shadow_findings
-from app.env.integrity import edited_files
+from app.env.health import SYNC, edited_file_findings, shadow_findings, startup_file_findings
+from app.env.integrity import edited_files, startup_files
 from app.env.origins import import_origins, in_site, removal_fix, site_packages
 from app.env.packages import installed_distributions, normalize_name, package_drift, read_lock, versions_in
 from app.env.project import LOCK_FILE, find_project_root
@@ -36,7 +36,8 @@ def require_locked_versions(
     site: Sequence[str] | None = None,
 ) -> None:
     """Refuse, in one line naming each package and the fix, a locked package at another version, a
-    key package imported from a copy outside the venv, and a file edited inside an installed package.
+    key package imported from a copy outside the venv, a file edited inside an installed package, and
+    a startup file in site-packages that no package installed.
 
     `allow_drift` (train.allow_environment_drift) lets a start run with off-lock versions, but not
     with one that another installed package rejects: that start would only crash at import.
@@ -61,8 +62,16 @@ def require_locked_versions(
         ]
     lines = [_described(entry, site_packages() if site is None else site) for entry in mismatched]
     if not allow_drift:  # the guard names these too, but only after transformers imported the copy
-        found = {"imports": import_origins(), "installed_files": {"edited": edited_files(search_path)}}
-        lines += [finding.line() for finding in [*shadow_findings(found), *edited_file_findings(found)]]
+        site_dirs = site_packages() if site is None else site
+        found = {
+            "imports": import_origins(),
+            "installed_files": {
+                "edited": edited_files(search_path),
+                "startup": startup_files(site_dirs, search_path),
+            },
+        }
+        checks = (shadow_findings, edited_file_findings, startup_file_findings)
+        lines += [finding.line() for check in checks for finding in check(found)]
     if lines:
         raise UserError("; ".join(lines))
 
