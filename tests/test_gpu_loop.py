@@ -82,16 +82,18 @@ def test_the_target_s_graphs_give_its_eager_features_at_every_shape(
         graphs(random_target_batch(target, rows + 1, length), *a_row_index(rows + 1, length, budget, 0))
 
 
+@pytest.mark.parametrize("soft_targets", [0.0, 0.5])
 def test_a_run_on_the_target_s_graphs_trains_what_the_eager_run_trains(
-    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path, soft_targets: float
 ) -> None:
     """The same seed with and without `compile.target_cuda_graphs`: the same losses step for step, to
-    the features' bf16 rounding (the graphs' matmuls may take other cuBLAS algorithms)."""
+    the features' bf16 rounding (the graphs' matmuls may take other cuBLAS algorithms); with soft
+    targets the graphs carry the target's final hidden states too."""
     losses = {}
     for graphed in (False, True):
         config = random_target_config(
             tiny_tokenizer_dir, tiny_conversations, tmp_path / f"run-{graphed}", device="cuda",
-            precision="bf16", max_steps=8, eval_every=0, **ON_ANY_STACK,
+            precision="bf16", max_steps=8, eval_every=0, soft_targets=soft_targets, **ON_ANY_STACK,
         )  # fmt: skip
         config.compile.target_cuda_graphs = graphed
         config.compile.cache_dir = str(persistent_tmp / "compile_cache")

@@ -14,6 +14,7 @@ from app.config.load import ConfigError
 from app.data.batch import DrafterRow, FeatureBatch
 from app.model.objective import SoftLabels, chunked_lm_head_ce, soft_ce_chunk, weighted_ce_chunk
 from app.model.target import load_target
+from app.pipeline.features import eager_forward
 from app.train.trainer import Trainer
 from tests.helpers import random_target_config, small_drafter_raw_config
 
@@ -134,3 +135,17 @@ def test_a_run_with_soft_targets_trains_on_the_target_s_distribution(
     assert all(math.isfinite(loss) for loss in losses[1.0])
     # the same batches and initial drafter, other labels: the first step's loss differs
     assert losses[1.0][0] != pytest.approx(losses[0.0][0], rel=1e-3)
+
+
+def test_a_target_forward_without_final_hidden_states_stops_a_soft_targets_run(
+    tiny_tokenizer_dir, tiny_conversations, tmp_path: Path
+) -> None:
+    """The forward the source is given from outside (on a GPU, the target's CUDA graphs) must carry the
+    final hidden states the soft labels need: caught at the first batch, by its shape, not deep in the loss."""
+    config = random_target_config(
+        tiny_tokenizer_dir, tiny_conversations, tmp_path / "run", max_steps=2, soft_targets=0.5
+    )
+    trainer = Trainer(config, log=lambda line: None)
+    trainer.compile_report.target_forward = eager_forward(trainer.target, final_hidden=False)
+    with pytest.raises(RuntimeError, match="without its final hidden states, which train.soft_targets needs"):
+        trainer.run()

@@ -163,7 +163,10 @@ def capture_target_graphs(config: RunConfig, target: TargetModel, log: Log) -> G
     """The target's forward captured at every batch shape of the run (after its warm-up, on the main
     thread, before the fail_on_recompile stance: a shape that compiled anything would say so now)."""
     graphs = GraphedTargetFeatures(
-        target, TargetShapes.from_config(config.data).all, config.data.token_budget
+        target,
+        TargetShapes.from_config(config.data).all,
+        config.data.token_budget,
+        final_hidden=config.train.soft_targets > 0,
     )
     log(graphs.describe())
     return graphs

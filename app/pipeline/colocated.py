@@ -55,6 +55,7 @@ class ColocatedFeatureSource:
         self.prefetch = prefetch
         self.forward = forward or eager_forward(target, final_hidden)
         self.feature_size = len(target.layer_ids) * target.hidden_size
+        self.final_hidden = final_hidden
         self.width = self.feature_size + (target.hidden_size if final_hidden else 0)
         self.prepare = BatchPreparer(
             dataset, rounds.planner.shapes, token_budget=token_budget, anchors=anchors,
@@ -97,7 +98,14 @@ class ColocatedFeatureSource:
         self.stats.target_batches += 1
         self.stats.drafter_batches += 1
         self.stats.real_tokens += prepared.real_tokens
-        return features_on_device(self.forward, prepared, self.target.device, self.feature_size)
+        batch = features_on_device(self.forward, prepared, self.target.device, self.feature_size)
+        if (batch.target_hidden is not None) != self.final_hidden:  # a shape check: no device sync
+            given = "with" if batch.target_hidden is not None else "without"
+            raise RuntimeError(
+                f"the target's forward gives its features {given} its final hidden states, which "
+                f"train.soft_targets {'needs' if self.final_hidden else 'does not use'}"
+            )
+        return batch
 
     def _padding_batch(self) -> FeatureBatch:
         if self._padding is None:
