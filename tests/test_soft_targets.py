@@ -147,5 +147,7 @@ def test_a_target_forward_without_final_hidden_states_stops_a_soft_targets_run(
     )
     trainer = Trainer(config, log=lambda line: None)
     trainer.compile_report.target_forward = eager_forward(trainer.target, final_hidden=False)
-    with pytest.raises(RuntimeError, match="without its final hidden states, which train.soft_targets needs"):
+    with pytest.raises(
+        RuntimeError, match=r"without its final hidden states, which train\.soft_targets needs"
+    ):
         trainer.run()
