@@ -21,6 +21,7 @@ from app.bench.quality import (
     QualityPlan,
     QualityReport,
     _build_prompts,
+    _datagen_command,
     _eval_command,
     _train_command,
     eval_trajectory,
@@ -68,6 +69,18 @@ def test_the_eval_split_is_the_first_prompts_of_each_held_out_domain(tmp_path):
     assert len(chosen) == 9
     assert "data.eval_files=['%s']" % (tmp_path / "data" / "eval") in quality.stage_overrides()
     assert load_config(quality.config_file, quality.stage_overrides()).compile.cold_start == "expected"
+
+
+def test_the_eval_split_is_answered_eagerly_and_the_training_split_by_the_compiled_step(tmp_path):
+    """The eval split's answers take seconds: compiling their decode step first took a minute."""
+    quality = plan(tmp_path)
+    for split, decode in (("train", "compiled"), ("eval", "eager")):
+        command = _datagen_command(quality, split)
+        assert command[:2] == ["datagen", quality.config_file]
+        config = load_config(command[1], command[2:])
+        assert config.datagen.local_decode == decode
+        assert config.datagen.prompts == [str(tmp_path / "prompts" / f"{split}.jsonl")]
+        assert config.datagen.output_dir == str(tmp_path / "data" / split)
 
 
 def test_a_trained_arm_is_not_trained_again_and_a_retrained_one_loses_its_stale_eval(tmp_path):

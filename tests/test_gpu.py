@@ -635,13 +635,14 @@ def test_the_compiled_step_reads_ring_blocks_and_answers_as_the_eager_dense_mask
     assert compiled.decode(prompts) == eager
 
 
+@pytest.mark.parametrize("local_decode", ["compiled", "eager"])
 def test_local_datagen_compiles_its_decode_step_before_the_first_prompt(
-    tiny_tokenizer_dir: Path, tmp_path: Path
+    tiny_tokenizer_dir: Path, tmp_path: Path, local_decode: str
 ) -> None:
     """`dflash datagen` with the local engine on CUDA: the decode step compiles into CUDA graphs and
     is captured before the first prompt (a line of its own says how long), after which the stream
     compiles nothing; each record is the eager target's greedy answer (fp32, so that an argmax does
-    not turn on rounding)."""
+    not turn on rounding). With `datagen.local_decode = eager` nothing compiles and a line says so."""
     import io
 
     from rich.console import Console
@@ -655,15 +656,21 @@ def test_local_datagen_compiles_its_decode_step_before_the_first_prompt(
         "tokenizer": str(tiny_tokenizer_dir),
         "dtype": "fp32",
     }
-    run = config(tmp_path, target=target, train={"device": "cuda", **ON_ANY_STACK})
+    run = config(tmp_path, target=target, train={"device": "cuda", **ON_ANY_STACK}, local_decode=local_decode)
     output = io.StringIO()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     report = run_local_datagen(run, Console(file=output, width=200))
     assert (report.done, report.failed) == (6, 1)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1  # the step, once
+    compiled = local_decode == "compiled"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == int(compiled)  # the step, once
     log = output.getvalue()
-    assert re.search(r"datagen: the decode step compiled and captured in \d+\.\d s", log), log
-    assert log.index("compiled and captured") < log.index("records to generate")
+    line = (
+        r"the decode step compiled and captured in \d+\.\d s"
+        if compiled
+        else r"the decode step runs eager on cuda"
+    )
+    assert re.search(f"datagen: {line}", log), log
+    assert re.search(line, log).start() < log.index("records to generate")
     assert_greedy_answers(
         rows(tmp_path / "out"), run, AutoTokenizer.from_pretrained(tiny_tokenizer_dir), "cuda"
     )

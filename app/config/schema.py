@@ -510,6 +510,12 @@ class DatagenConfig(Section):
     local_max_prompt_tokens: int = Field(1024, ge=1)
     """engine = "local": the longest rendered prompt answered; longer records fail with that reason."""
 
+    local_decode: Literal["compiled", "eager"] = "compiled"
+    """engine = "local" on a GPU: "compiled" captures the decode step into CUDA graphs first (about a
+    minute, then the most tokens/s); "eager" runs it uncompiled from the first prompt, for a few hundred
+    answers whose compile would take longer than they do (`dflash bench quality`'s eval split). A CPU
+    always decodes eagerly."""
+
     servers: list[str] = ["http://127.0.0.1:30000"]
     """Base URLs of OpenAI-compatible servers (SGLang); several share the load."""
 

@@ -60,8 +60,8 @@ def local_decoder(
 
     datagen = config.datagen
     device = pick_device(config.train.device)
-    cuda = device.type == "cuda"
-    if cuda:  # the decode step's kernels persist where training's do, never /tmp
+    compiled = device.type == "cuda" and datagen.local_decode == "compiled"
+    if compiled:  # the decode step's kernels persist where training's do, never /tmp
         from app.compile.environment import resolve_inductor_dir, use_compile_dirs
 
         use_compile_dirs(resolve_inductor_dir(config.compile))
@@ -75,13 +75,15 @@ def local_decoder(
         target.model,
         shape,
         stop_token_ids(tokenizer, target),
-        compiled=cuda,
+        compiled=compiled,
         temperature=datagen.temperature,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
     )
-    if cuda:
+    if compiled:
         log(
             f"the decode step compiled and captured in {decoder.warm_up():.1f} s "
             f"(rows {shape.rows}, ring {shape.cache_length} slots; once per process, its kernels cached)"
         )
+    elif device.type == "cuda":
+        log(f"the decode step runs eager on {device} (datagen.local_decode = eager)")
     return decoder
