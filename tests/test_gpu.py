@@ -637,7 +637,7 @@ def test_the_compiled_step_reads_ring_blocks_and_answers_as_the_eager_dense_mask
 
 @pytest.mark.parametrize("local_decode", ["compiled", "eager"])
 def test_local_datagen_compiles_its_decode_step_before_the_first_prompt(
-    tiny_tokenizer_dir: Path, tmp_path: Path, local_decode: str
+    tiny_tokenizer_dir: Path, tmp_path: Path, persistent_tmp: Path, local_decode: str
 ) -> None:
     """`dflash datagen` with the local engine on CUDA: the decode step compiles into CUDA graphs and
     is captured before the first prompt (a line of its own says how long), after which the stream
@@ -657,6 +657,8 @@ def test_local_datagen_compiles_its_decode_step_before_the_first_prompt(
         "dtype": "fp32",
     }
     run = config(tmp_path, target=target, train={"device": "cuda", **ON_ANY_STACK}, local_decode=local_decode)
+    # its own kernel dir: the machine's TORCHINDUCTOR_CACHE_DIR may be under /tmp, which a run refuses
+    run.compile.inductor_dir = str(persistent_tmp / "inductor")
     output = io.StringIO()
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     report = run_local_datagen(run, Console(file=output, width=200))
