@@ -328,20 +328,26 @@ OBJECTIVE_SUPERVISED = torch.tensor(
 the third slot, an unsupervised first slot (nothing of it is accepted, however likely the rest)."""
 
 
+TREE_TOP_K = 3
+"""Candidates per depth of the "ce+tree" objective in these tests."""
+
+
 def brute_force_loss(log_p, supervised, decay, objective, weight):
-    """CE + weight x the objective from the labels' log-probabilities `log_p [A, S]`, by definition."""
+    """CE + weight x the objective from the labels' log-probabilities `log_p [A, S]`, by definition
+    ("ce+tree": a slot accepted when its label is among `TREE_TOP_K` draws from the drafter)."""
     slot_weights_ = supervised * decay
     loss = -(log_p * slot_weights_).sum() / slot_weights_.sum()
     if objective == "ce+tv":  # 1 - p: the TV distance to the target's one-hot, weighed like the CE
         return loss + weight * (slot_weights_ * (1 - log_p.exp())).sum() / slot_weights_.sum()
-    if objective == "ce+acceptance":  # per block: sum over k of the chance that drafts 1..k are accepted
+    if objective in ("ce+acceptance", "ce+tree"):  # per block: sum over k of P(drafts 1..k accepted)
+        candidates = TREE_TOP_K if objective == "ce+tree" else 1
         expected = []
         for block in range(log_p.shape[0]):
             chance, accepted = 1.0, 0.0
             for slot in range(log_p.shape[1]):
                 if not supervised[block, slot]:
                     break  # no known target token: no draft past it is accepted
-                chance = chance * log_p[block, slot].exp()
+                chance = chance * (1 - (1 - log_p[block, slot].exp()) ** candidates)
                 accepted = accepted + chance
             expected.append(accepted)
         return loss - weight * sum(expected) / int(supervised[:, 0].sum())
@@ -349,7 +355,7 @@ def brute_force_loss(log_p, supervised, decay, objective, weight):
 
 
 @pytest.mark.parametrize("chunk_size", [1, 2, 6])
-@pytest.mark.parametrize("objective", ["ce", "ce+tv", "ce+acceptance"])
+@pytest.mark.parametrize("objective", ["ce", "ce+tv", "ce+acceptance", "ce+tree"])
 def test_each_objective_equals_autograd_through_the_full_logits(objective, chunk_size):
     """The chunked loss with an objective (its gradient a per-row scale of the CE's, applied after the
     LM head's matmul) equals autograd through the full logits: value and d/d hidden, at every chunk
@@ -363,7 +369,7 @@ def test_each_objective_equals_autograd_through_the_full_logits(objective, chunk
     labels = labels * OBJECTIVE_SUPERVISED  # 0 where unsupervised, as block_labels makes them
     decay = slot_weights(BLOCK, 2.0, "cpu")
     weights = OBJECTIVE_SUPERVISED * decay
-    terms = SlotObjective.build(objective, 0.7, OBJECTIVE_SUPERVISED)
+    terms = SlotObjective.build(objective, 0.7, OBJECTIVE_SUPERVISED, tree_top_k=TREE_TOP_K)
     loss, _ = chunked_lm_head_ce(
         hidden, lm_head, labels, weights / weights.sum(), chunk_size, objective=terms
     )
@@ -376,7 +382,7 @@ def test_each_objective_equals_autograd_through_the_full_logits(objective, chunk
     torch.testing.assert_close(chunked_grad, hidden.grad)
 
 
-@pytest.mark.parametrize("objective", ["ce+tv", "ce+acceptance"])
+@pytest.mark.parametrize("objective", ["ce+tv", "ce+acceptance", "ce+tree"])
 def test_drafter_loss_adds_the_objective(setup, objective):
     """Through `drafter_loss` (labels, supervision and weights from the row, the normaliser over the
     whole batch): the loss and every drafter gradient equal autograd through the full logits."""
@@ -391,6 +397,7 @@ def test_drafter_loss_adds_the_objective(setup, objective):
         chunk_size=5,
         objective=objective,
         objective_weight=0.7,
+        tree_top_k=TREE_TOP_K,
     )
     labels, supervised = reference_labels(batch.row, BLOCK)
     logits = lm_head(drafter(batch.features, batch.row, embed_tokens)[:, 1:])
@@ -433,7 +440,10 @@ def test_the_objective_fields_validate_and_are_listed(capsys, monkeypatch):
     assert (train.objective, train.objective_weight) == ("ce+acceptance", 0.5)
     assert (TrainConfig().objective, TrainConfig().objective_weight) == ("ce", 1.0)
     for bad, message in [
-        ({"objective": "tv"}, "train.objective: must be one of 'ce', 'ce+tv' or 'ce+acceptance', got 'tv'"),
+        (
+            {"objective": "tv"},
+            "train.objective: must be one of 'ce', 'ce+tv', 'ce+acceptance' or 'ce+tree', got 'tv'",
+        ),
         ({"objective_weight": -1}, "train.objective_weight: must be >= 0.0, got -1"),
     ]:
         with pytest.raises(ConfigError) as error:
@@ -441,7 +451,10 @@ def test_the_objective_fields_validate_and_are_listed(capsys, monkeypatch):
         assert str(error.value) == f"<config>: {message}"
     with pytest.raises(UserError) as error:
         SlotObjective.build("tv", 1.0, OBJECTIVE_SUPERVISED)  # drafter_loss called with no config
-    assert str(error.value) == "train.objective: must be one of 'ce', 'ce+tv' or 'ce+acceptance', got 'tv'"
+    assert (
+        str(error.value)
+        == "train.objective: must be one of 'ce', 'ce+tv', 'ce+acceptance' or 'ce+tree', got 'tv'"
+    )
     done = dflash(capsys, monkeypatch, "config", "schema")
     assert done.returncode == 0, done.stderr
     rows = {
@@ -449,7 +462,10 @@ def test_the_objective_fields_validate_and_are_listed(capsys, monkeypatch):
         for line in done.stdout.splitlines()
         if line.count("│") >= 4
     }
-    assert rows["objective"] == '"ce" | "ce+tv" | "ce+acceptance"' and rows["objective_weight"] == "float"
+    assert (
+        rows["objective"] == '"ce" | "ce+tv" | "ce+acceptance" | "ce+tree"'
+        and rows["objective_weight"] == "float"
+    )
 
 
 def test_acc_and_streak_by_hand():

@@ -194,7 +194,7 @@ def quality(
         str | None,
         typer.Option(
             "--objectives",
-            help="One arm per train.objective, comma-separated (e.g. ce,ce+tv,ce+acceptance); the first "
+            help="One arm per train.objective, comma-separated (e.g. ce,ce+tv,ce+acceptance,ce+tree); the first "
             "arm is the baseline the others are compared with, paired by seed.",
         ),
     ] = None,

@@ -249,14 +249,15 @@ class TrainConfig(Section):
     """Anchors per LM-head + cross-entropy chunk; peak memory scales with this, not with `anchors`.
     Reduce it if you OOM in the loss."""
 
-    objective: Literal["ce", "ce+tv", "ce+acceptance"] = "ce"
+    objective: Literal["ce", "ce+tv", "ce+acceptance", "ce+tree"] = "ce"
     """What the drafter is trained on: the decayed block cross-entropy alone ("ce"), or plus
     `objective_weight` x a loss on acceptance rather than likelihood. "ce+tv": each slot's total-variation
     distance to the target's greedy token, 1 - p(label), with the CE's weights. "ce+acceptance": minus the
     expected accepted drafts of a chain round, per block the sum over k of the product of p(label) over
-    slots 1..k (the logged loss can go below 0). Use them to train for chain or DDTree acceptance (papers
-    report +16-18% tau for TV and +8-10% for acceptance losses over CE; compare on your target with
-    `dflash eval`). Cost: a few elementwise ops per loss chunk and a row scale of its hidden gradient;
+    slots 1..k (the logged loss can go below 0). "ce+tree": the same for DDTree's tree, which keeps
+    `eval_tree_top_k` candidates per depth: p(label) becomes the label's coverage 1 - (1 - p)^K. Use them
+    to train for chain or DDTree acceptance (papers report +16-18% tau for TV and +8-10% for acceptance
+    losses over CE; compare on your target with `dflash bench quality --objectives`). Cost: a few elementwise ops per loss chunk and a row scale of its hidden gradient;
     no extra pass over the vocab-sized logits."""
 
     objective_weight: float = Field(1.0, ge=0)

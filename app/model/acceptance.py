@@ -9,6 +9,9 @@ probability p_j of the label at slot j:
 - "ce+acceptance": minus the expected accepted drafts of a chain round, per block sum_k P_k with
   P_k = p_1 ... p_k over the block's slots, cut at its first unsupervised slot (P_k = 0 from there),
   averaged over the blocks with a supervised first slot.
+- "ce+tree": the same sum for a tree that keeps K candidates at each depth (K = `train.eval_tree_top_k`):
+  slot j is covered with s_j = 1 - (1 - p_j)^K, the chance that the label is among K draws from the
+  drafter's distribution there, and P_k = s_1 ... s_k. K = 1 is "ce+acceptance".
 
 Both are functions of log p_j = -CE_j alone, and d(log p_j)/d(logits_j) = one_hot - softmax = -g_j,
 where g_j is the unweighted gradient the CE chunk already writes. So an objective's gradient w.r.t. row
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -50,13 +54,33 @@ def acceptance_terms(
     each slot were sampled from the drafter, so sum_k P_k is the round's expected accepted drafts;
     under DDTree the same product ranks the tree's paths. A draft past an unsupervised slot has no
     known target token: the product stops there."""
-    prefix = torch.cumprod(p * supervised, dim=1)
+    return tree_terms(p, weights, supervised, blocks, top_k=1)
+
+
+def tree_terms(
+    p: torch.Tensor, weights: torch.Tensor, supervised: torch.Tensor, blocks: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`acceptance_terms` for a tree of `top_k` candidates per depth: P_k = s_1 ... s_k with the label's
+    coverage s_j = 1 - (1 - p_j)^K, and c_j = sum_{k >= j} P_k / blocks x dlog s_j / dlog p_j, where
+    dlog s / dlog p = K p (1 - p)^(K-1) / s (1 when K = 1). DDTree keeps each depth's top-K, not K
+    draws; the draws make coverage smooth in p_j: a label already likely enough to be among the top-K
+    (s near 1) gets little push, one at the edge of it the most, each weighted by the chance that the
+    tree reaches its depth. Budget and ranking are the tree's own (`app.model.tree`)."""
+    miss = (1 - p).clamp_min(0)
+    coverage = 1 - miss**top_k
+    elasticity = top_k * p * miss ** (top_k - 1) / coverage.clamp_min(torch.finfo(coverage.dtype).tiny)
+    prefix = torch.cumprod(coverage * supervised, dim=1)
     tails = prefix.flip(1).cumsum(dim=1).flip(1)
-    return -prefix.sum() / blocks, tails / blocks
+    return -prefix.sum() / blocks, tails * elasticity / blocks
 
 
-OBJECTIVE_TERMS: dict[str, SlotTerms] = {"ce+tv": tv_terms, "ce+acceptance": acceptance_terms}
-"""`train.objective` -> its terms; "ce" has none (the CE alone, the chunk's fast path)."""
+OBJECTIVE_TERMS: dict[str, SlotTerms | None] = {
+    "ce+tv": tv_terms,
+    "ce+acceptance": acceptance_terms,
+    "ce+tree": None,
+}
+"""`train.objective` -> its terms ("ce+tree": `tree_terms` at the tree's candidates per depth, known at
+`SlotObjective.build`); "ce" has none (the CE alone, the chunk's fast path)."""
 
 
 @dataclass(frozen=True)
@@ -72,9 +96,12 @@ class SlotObjective:
     """0-d: blocks with a supervised first slot (at least 1), the acceptance objective's normaliser."""
 
     @classmethod
-    def build(cls, objective: str, weight: float, supervised: torch.Tensor) -> SlotObjective | None:
-        """`train.objective`'s objective over the batch's `supervised [A, B-1]`; None for "ce", so the CE
-        chunk runs as it always did (its weights, no per-row output)."""
+    def build(
+        cls, objective: str, weight: float, supervised: torch.Tensor, tree_top_k: int = 1
+    ) -> SlotObjective | None:
+        """`train.objective`'s objective over the batch's `supervised [A, B-1]` ("ce+tree": for a tree of
+        `tree_top_k` candidates per depth); None for "ce", so the CE chunk runs as it always did (its
+        weights, no per-row output)."""
         if objective == "ce":
             return None
         if objective not in OBJECTIVE_TERMS:
@@ -82,7 +109,8 @@ class SlotObjective:
             last = list(OBJECTIVE_TERMS)[-1]
             raise UserError(f"train.objective: must be one of {choices} or {last!r}, got {objective!r}")
         blocks = supervised[:, 0].sum().clamp_min(1).float()
-        return cls(OBJECTIVE_TERMS[objective], weight, supervised, blocks)
+        terms = OBJECTIVE_TERMS[objective] or partial(tree_terms, top_k=tree_top_k)
+        return cls(terms, weight, supervised, blocks)
 
     def chunk(
         self, anchors: slice, row_ce: torch.Tensor, weights: torch.Tensor

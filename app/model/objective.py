@@ -112,6 +112,7 @@ def drafter_loss(
     tree_sample: TreeSample | None = None,
     objective: str = "ce",
     objective_weight: float = 1.0,
+    tree_top_k: int = 1,
     soft_targets: float = 0.0,
 ) -> LossOutput:
     """Forward one feature batch through the drafter and the chunked, decayed block CE.
@@ -121,7 +122,8 @@ def drafter_loss(
     (`train.loss_chunk_size`); `noise_std > 0` adds N(0, noise_std^2) to the features, drawn from
     `generator` (on the features' device) so resumed runs replay the same noise; `ce_chunk` is the
     compiled `weighted_ce_chunk` (required on CUDA, see `chunked_lm_head_ce`); `objective` and
-    `objective_weight` are `train.objective` and `train.objective_weight` (`app.model.acceptance`);
+    `objective_weight` are `train.objective` and `train.objective_weight` (`app.model.acceptance`), and
+    `tree_top_k` the tree's candidates per depth of "ce+tree" (`train.eval_tree_top_k`);
     `soft_targets` is `train.soft_targets` (`SoftLabels`; needs the batch's `target_hidden`).
     """
     row, features = batch.row, batch.features
@@ -133,7 +135,7 @@ def drafter_loss(
     labels, supervised = block_labels(row, block_size)
     weights = supervised * slot_weights(block_size, gamma or default_gamma(block_size), hidden.device)
     weights = weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
-    slot_objective = SlotObjective.build(objective, objective_weight, supervised)
+    slot_objective = SlotObjective.build(objective, objective_weight, supervised, tree_top_k)
     soft = SoftLabels.of(batch, block_size, soft_targets) if soft_targets > 0 else None
     loss, predictions = chunked_lm_head_ce(
         hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk, slot_objective, soft

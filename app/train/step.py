@@ -108,6 +108,7 @@ class DrafterStep:
                 tree_sample=tree_sample,
                 objective=self.train.objective,
                 objective_weight=self.train.objective_weight,
+                tree_top_k=self.train.eval_tree_top_k,
                 soft_targets=self.train.soft_targets,
             )
 
