@@ -46,4 +46,9 @@ def test_every_config_argument_names_what_load_config_reads(tmp_path: Path) -> N
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text(config.model_dump_json())
     (tmp_path / "config.json").write_text(config.model_dump_json())
-    assert load_config(tmp_path / "run") == load_config(tmp_path / "config.json") == config
+    assert load_config(tmp_path / "config.json") == config
+    # a run directory is the run at that directory, wherever its config.json says it was written
+    as_run = config.model_copy(
+        update={"train": config.train.model_copy(update={"output_dir": str(tmp_path / "run")})}
+    )
+    assert load_config(tmp_path / "run") == as_run
