@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, unwritable_directory
 
 TORCH_MARKER = "(torch loaded: {})"
 DRIVER = (
@@ -118,6 +118,61 @@ def resume_on_changed_data(tmp: Path) -> tuple[list[str], dict[str, str], str]:
     )
 
 
+def degrading_compiler_variable(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'run'}"],
+        {"TORCHDYNAMO_DISABLE": "1"},
+        "TORCHDYNAMO_DISABLE=1: torch.compile is disabled: every kernel runs eager; fix: unset TORCHDYNAMO_DISABLE",
+    )
+
+
+def rank_outside_torchrun(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'run'}"],
+        {"RANK": "0", "WORLD_SIZE": "2"},
+        "RANK=0 WORLD_SIZE=2: set outside torchrun (a leftover export?) for a config that lays out 1 process; "
+        "unset RANK WORLD_SIZE",
+    )
+
+
+def output_dir_under_a_symlink_loop(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    (tmp / "loop").symlink_to(tmp / "loop")
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'loop' / 'run'}"],
+        {},
+        f"train.output_dir = {tmp / 'loop' / 'run'}: {tmp / 'loop'} is a symlink to {tmp / 'loop'}, which "
+        "does not resolve (a loop, or gone)",
+    )
+
+
+def blank_training_data(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    (tmp / "blank.jsonl").write_text("  \n\n\t\n")
+    return (
+        [
+            "train",
+            "configs/tiny.toml",
+            f"data.train_files=['{tmp / 'blank.jsonl'}']",
+            f"train.output_dir={tmp / 'run'}",
+        ],
+        {},
+        f"data.train_files: {tmp / 'blank.jsonl'}: blank (only whitespace), so there is nothing to train on; "
+        "point data.train_files at the regenerated data",
+    )
+
+
+def missing_training_data(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    return (
+        [
+            "train",
+            "configs/tiny.toml",
+            f"data.train_files=['{tmp / 'gone.jsonl'}']",
+            f"train.output_dir={tmp / 'run'}",
+        ],
+        {},
+        f"data file not found: {tmp / 'gone.jsonl'}",
+    )
+
+
 CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     non_utf8_config,
     directory_as_config,
@@ -127,6 +182,11 @@ CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     resume_of_no_run,
     blocks_longer_than_samples,
     resume_on_changed_data,
+    degrading_compiler_variable,
+    rank_outside_torchrun,
+    output_dir_under_a_symlink_loop,
+    blank_training_data,
+    missing_training_data,
 ]
 
 
@@ -134,7 +194,23 @@ CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
 def test_a_bad_input_is_one_line_exit_2_before_torch_loads(
     tmp_path: Path, case: Callable[[Path], tuple[list[str], dict[str, str], str]]
 ) -> None:
-    args, env, message = case(tmp_path)
+    refused_before_torch(tmp_path, *case(tmp_path))
+
+
+def test_a_read_only_output_directory_is_refused_before_torch_loads(tmp_path: Path) -> None:
+    why = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"  # root: chattr +i
+    with unwritable_directory(tmp_path / "read-only") as read_only:
+        refused_before_torch(
+            tmp_path,
+            ["train", "configs/tiny.toml", f"train.output_dir={read_only / 'run'}"],
+            {},
+            f"train.output_dir = {read_only / 'run'}: cannot create or write files there ({why})",
+        )
+
+
+def refused_before_torch(tmp_path: Path, args: list[str], env: dict[str, str], message: str) -> None:
+    """`dflash ARGS` with `env` added exits 2 with `message` as its one line, before torch loads,
+    writing nothing under `tmp_path`."""
     before = sorted(tmp_path.rglob("*"))
     done = subprocess.run(
         [sys.executable, "-c", DRIVER, *args],

@@ -15,7 +15,7 @@ import pytest
 from app.config import load_config
 from app.env import assess, collect_fingerprint, diff_fingerprints, read_starts, recorded_fingerprint
 from app.env.compiler_flags import degrading_flags, recorded_compiler_env
-from app.env.guard import EnvironmentCheck
+from app.env.guard import EnvironmentCheck, check_environment
 from app.env.lock_closure import required_packages
 from app.env.project import code_hashes
 from app.env.record import ENVIRONMENT_RECORD, append_start
@@ -37,10 +37,11 @@ def quiet(line: str) -> None:
 
 
 def test_train_refuses_a_drifted_environment_before_loading_anything(
-    tiny_lm_dir, tiny_conversations, tmp_path: Path
+    tiny_lm_dir, tiny_conversations, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`dflash train` with SGLang on the path and the inductor caches disabled: exit 2 before the
-    target or the data load, one line per finding with its fix, nothing written."""
+    """`dflash train` with SGLang on the path and the inductor caches disabled: exit 2 before torch
+    loads, one line naming each finding with its fix, nothing written. The guard itself (each training
+    process, once torch has loaded: what the early check cannot see) says the same, a line each."""
     site = tmp_path / "site"
     write_distribution(site, "sglang", "0.5.3")
     run_dir = tmp_path / "run"
@@ -49,8 +50,23 @@ def test_train_refuses_a_drifted_environment_before_loading_anything(
         env={"PYTHONPATH": str(site), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"},
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert lines[0] == "dflash: error: the environment is not one this run may train in (2 findings):"
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(
+        "dflash: error: inference-stack packages in the training environment: sglang 0.5.3"
+    )
+    assert (
+        "; fix: ./uvw sync (in the image: rebuild it from uv.lock); TORCHINDUCTOR_FORCE_DISABLE_CACHES=1: "
+        in line
+    )
+    assert line.endswith("; fix: unset TORCHINDUCTOR_FORCE_DISABLE_CACHES")
+    assert not run_dir.exists()
+
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+    with pytest.raises(UserError) as refused:
+        check_environment(None, resume=False, allow_drift=False)
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "the environment is not one this run may train in (2 findings):"
     assert lines[1].startswith("  - inference-stack packages in the training environment: sglang 0.5.3")
     assert lines[1].endswith("; fix: ./uvw sync (in the image: rebuild it from uv.lock)")
     assert lines[2].startswith("  - TORCHINDUCTOR_FORCE_DISABLE_CACHES=1: inductor ignores every cache")
@@ -58,8 +74,6 @@ def test_train_refuses_a_drifted_environment_before_loading_anything(
     assert lines[3] == (
         "to train anyway, set train.allow_environment_drift=true (the run's status then says DEGRADED)"
     )
-    assert "Traceback" not in done.stderr and "Loading weights" not in done.stdout + done.stderr
-    assert not run_dir.exists()  # the refused fresh start removed the directory it had made
 
 
 def test_an_allowed_drift_trains_degraded_and_every_start_is_recorded(

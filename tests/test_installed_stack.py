@@ -20,7 +20,7 @@ from app.env import assess, collect_fingerprint, diff_fingerprints
 from app.env.health import edited_file_findings, startup_file_findings
 from app.env.integrity import edited_files, startup_files
 from app.env.origins import site_packages
-from app.env.preflight import require_locked_versions
+from app.env.preflight import require_locked_stack
 from app.errors import UserError
 from tests.helpers import ROOT, run_dflash
 from tests.test_doctor import write_distribution
@@ -53,6 +53,30 @@ def test_a_locked_package_transformers_rejects_is_the_guards_line_not_its_traceb
     assert not run_dir.exists()
 
 
+def test_every_command_that_imports_the_stack_names_a_version_transformers_rejects_first(
+    tmp_path: Path,
+) -> None:
+    """safetensors 0.7.0 on PYTHONPATH crashed config show, eval, export and build-cache with
+    transformers' 53-59-line ImportError: each command that imports the stack says the one line first."""
+    site = tmp_path / "site"
+    write_distribution(site, "safetensors", "0.7.0")
+    line = (
+        f"dflash: error: safetensors 0.7.0 installed in {site}, uv.lock pins 0.8.0 (transformers requires "
+        f"safetensors>=0.8.0: not even train.allow_environment_drift can run it); fix: remove that "
+        f"safetensors copy, {UNSET}"
+    )
+    commands = [
+        ["config", "show", "configs/tiny.toml"], ["eval", str(tmp_path / "run")],
+        ["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")], ["build-cache", "configs/tiny.toml"],
+        ["bench", "drafter", "configs/tiny.toml"], ["datagen", "configs/tiny.toml"], ["demo"],
+        ["prompts", "build", str(tmp_path / "prompts")],
+    ]  # fmt: skip
+    for command in commands:
+        done = run_dflash(*command, env={"PYTHONPATH": str(site)})
+        assert (done.returncode, done.stderr.splitlines()) == (2, [line]), (command, done.stderr)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["site"]
+
+
 def test_an_allowed_drift_runs_off_lock_versions_but_not_one_an_installed_package_rejects(
     tmp_path: Path,
 ) -> None:
@@ -61,7 +85,7 @@ def test_an_allowed_drift_runs_off_lock_versions_but_not_one_an_installed_packag
     write_distribution(accepted, "safetensors", "0.9.0")  # transformers asks for >= 0.8.0
     write_distribution(rejected, "safetensors", "0.7.0")
     venv = [str(accepted), str(rejected), *site_packages()]
-    require_locked_versions(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
+    require_locked_stack(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
     # a package outside the lock (an inference server's pins, say) is never imported by a run: its
     # requirements decide nothing
     server = accepted / "some_server-1.0.dist-info"
@@ -69,17 +93,19 @@ def test_an_allowed_drift_runs_off_lock_versions_but_not_one_an_installed_packag
     (server / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: some-server\nVersion: 1.0\nRequires-Dist: safetensors<0.9\n"
     )
-    require_locked_versions(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
+    require_locked_stack(allow_drift=True, search_path=[str(accepted), *sys.path], site=venv)
     with pytest.raises(UserError) as refused:
-        require_locked_versions(allow_drift=False, search_path=[str(accepted), *sys.path], site=venv)
-    assert str(refused.value) == f"safetensors 0.9.0 installed, uv.lock pins 0.8.0; {SYNC}"
+        require_locked_stack(allow_drift=False, search_path=[str(accepted), *sys.path], site=venv)
+    assert str(refused.value) == (  # a package the lock does not name is a problem too, unless allowed
+        f"safetensors 0.9.0 installed, uv.lock pins 0.8.0; {SYNC}; 1 packages not in uv.lock: some-server 1.0; {SYNC}"
+    )
     with pytest.raises(UserError) as refused:
-        require_locked_versions(allow_drift=True, search_path=[str(rejected), *sys.path], site=venv)
+        require_locked_stack(allow_drift=True, search_path=[str(rejected), *sys.path], site=venv)
     assert str(refused.value) == (
         "safetensors 0.7.0 installed, uv.lock pins 0.8.0 (transformers requires safetensors>=0.8.0: "
         f"not even train.allow_environment_drift can run it); {SYNC}"
     )
-    require_locked_versions(allow_drift=False)  # this venv is the lock
+    require_locked_stack(allow_drift=False)  # this venv is the lock
 
 
 def test_the_fingerprint_says_where_each_key_package_imports_from(
@@ -175,7 +201,7 @@ def test_a_file_edited_inside_an_installed_package_is_named_with_its_fix(tmp_pat
     # a recording from before the check is no difference from a clean start
     assert diff_fingerprints({}, {"installed_files": {"edited": []}, "imports": {"shadowed": []}}) == []
     with pytest.raises(UserError) as refused:
-        require_locked_versions(allow_drift=False, search_path=[str(site), *sys.path])
+        require_locked_stack(allow_drift=False, search_path=[str(site), *sys.path])
     assert str(refused.value).endswith("safetensors/torch.py (content); fix: remove that safetensors copy")
 
 
@@ -232,5 +258,33 @@ def test_a_startup_file_no_package_installed_or_one_edited_is_a_problem(tmp_path
         ("installed_files.startup", True)
     ]
     with pytest.raises(UserError) as refused:
-        require_locked_versions(allow_drift=False, search_path=[str(site), *sys.path], site=[str(site)])
+        require_locked_stack(allow_drift=False, search_path=[str(site), *sys.path], site=[str(site)])
     assert f"{site / 'hook.pth'}: a startup file no installed package put there" in str(refused.value)
+
+
+@pytest.mark.parametrize("edit", ["hash", "version"])
+def test_an_edited_lock_is_named_as_the_lock_with_how_to_restore_it(tmp_path: Path, edit: str) -> None:
+    """A hash-only edit of uv.lock was refused only once torch had loaded; a changed version digit got
+    `./uvw sync` as its fix, which cannot parse it. The stack check names the lock and its restore."""
+    for name in ("pyproject.toml", "uv.lock"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "lock"], check=True)
+    require_locked_stack(allow_drift=False, project_root=tmp_path)
+    lock = (tmp_path / "uv.lock").read_text()
+    if edit == "hash":
+        digest = re.search(r'hash = "sha256:([0-9a-f]{64})"', lock).group(1)  # type: ignore[union-attr]
+        edited = lock.replace(digest, digest[::-1], 1)
+    else:
+        edited = re.sub(r'(name = "safetensors"\nversion = ")(\d)', lambda m: m.group(1) + "9", lock, count=1)
+    assert edited != lock
+    (tmp_path / "uv.lock").write_text(edited)
+    revision = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with pytest.raises(UserError) as refused:
+        require_locked_stack(allow_drift=False, project_root=tmp_path)
+    assert str(refused.value) == (
+        f"uv.lock differs from commit {revision[:12]} (edited): the lock no longer pins what the commit pins; "
+        "fix: git checkout uv.lock, then ./uvw sync --locked (or commit the edit, if it is meant)"
+    )

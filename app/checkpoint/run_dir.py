@@ -1,4 +1,5 @@
-"""Checks of a run directory that need no torch, so `dflash train` makes them before torch loads."""
+"""Checks of a run directory that need no torch, so `dflash train` makes them before torch loads: it
+exists for a resume, and it can be created and written."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from app.atomic import write_bytes_atomic
 from app.errors import UserError
+
+WRITE_PROBE = ".dflash-write-probe"
 
 
 def require_run_to_resume(run_dir: str | Path) -> None:
@@ -36,3 +40,39 @@ def removed_if_left_empty(run_dir: str | Path) -> Iterator[None]:
             except OSError:
                 break
         raise
+
+
+def require_writable(run_dir: str | Path, *, keep: bool) -> None:
+    """Create `run_dir` if needed and write a probe file there the way checkpoint files are written
+    (temp file, fsync, rename), then remove it; the OS's refusal becomes a UserError naming the setting
+    and why (a file in the way, a symlink that does not resolve, a read-only file system). `keep=False`
+    (`dflash train` before torch loads) removes again the directories it created: a start refused
+    later leaves nothing behind."""
+    run_dir = Path(run_dir)
+    created = [
+        path for path in (run_dir.absolute(), *run_dir.absolute().parents) if not os.path.lexists(path)
+    ]
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / WRITE_PROBE
+        write_bytes_atomic(probe, b"")
+        probe.unlink()
+    except OSError as error:
+        raise UserError(f"train.output_dir = {run_dir}: {_why_unwritable(run_dir, error)}") from None
+    finally:
+        if not keep:
+            for path in created:  # deepest first
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+
+
+def _why_unwritable(run_dir: Path, error: OSError) -> str:
+    file = next((path for path in (run_dir, *run_dir.parents) if path.is_file()), None)
+    # a link to nowhere: a loop, or a target that is gone (mkdir says "File exists" of it)
+    broken = next((p for p in (run_dir, *run_dir.parents) if p.is_symlink() and not p.exists()), None)
+    if file is not None:  # mkdir's own words ("File exists", "Not a directory") do not say which
+        return f"{'it' if file == run_dir else file} is a file, not a directory"
+    if broken is not None:
+        where = "it" if broken == run_dir else str(broken)
+        return f"{where} is a symlink to {os.readlink(broken)}, which does not resolve (a loop, or gone)"
+    return f"cannot create or write files there ({error.strerror or error})"

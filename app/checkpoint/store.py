@@ -36,17 +36,15 @@ from app.atomic import (
     remove_abandoned_temp_files,
     replace_directory,
     staging_directory,
-    write_bytes_atomic,
     write_json_atomic,
     write_text_atomic,
 )
-from app.checkpoint.run_dir import require_run_to_resume
+from app.checkpoint.run_dir import require_run_to_resume, require_writable
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 PREFIX = "step_"
-WRITE_PROBE = ".dflash-write-probe"
 """Written and removed in the run directory at the start, to prove that checkpoints can be written there."""
 RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 """How safetensors (Rust) reports the OS error of a failed write: only in its message."""
@@ -153,7 +151,7 @@ def check_run_directory(run_dir: str | Path, resume: bool) -> None:
     What a SIGKILL left is removed: a status or config file's temp file, a checkpoint's staging."""
     if resume:
         require_run_to_resume(run_dir)
-    _require_writable(Path(run_dir))
+    require_writable(run_dir, keep=True)
     remove_abandoned_temp_files(run_dir)
     root = checkpoint_root(run_dir)
     if not root.is_dir():
@@ -166,30 +164,6 @@ def check_run_directory(run_dir: str | Path, resume: bool) -> None:
             f"{run_dir}: holds the checkpoints of an earlier run (newest {existing[-1].name}); continue it "
             "with --resume, or start a new run with another train.output_dir"
         )
-
-
-def _require_writable(run_dir: Path) -> None:
-    """Create `run_dir` if needed and write a probe file there the way checkpoint files are written
-    (temp file, fsync, rename), then remove it; the OS's refusal becomes a UserError naming the setting."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / WRITE_PROBE
-        write_bytes_atomic(probe, b"")
-        probe.unlink()
-    except OSError as error:
-        file = next((path for path in (run_dir, *run_dir.parents) if path.is_file()), None)
-        # a link to nowhere: a loop, or a target that is gone (mkdir says "File exists" of it)
-        broken = next((p for p in (run_dir, *run_dir.parents) if p.is_symlink() and not p.exists()), None)
-        if file is not None:  # mkdir's own words ("File exists", "Not a directory") do not say which
-            reason = f"{'it' if file == run_dir else file} is a file, not a directory"
-        elif broken is not None:
-            where = "it" if broken == run_dir else str(broken)
-            reason = (
-                f"{where} is a symlink to {os.readlink(broken)}, which does not resolve (a loop, or gone)"
-            )
-        else:
-            reason = f"cannot create or write files there ({error.strerror or error})"
-        raise UserError(f"train.output_dir = {run_dir}: {reason}") from None
 
 
 def _os_error_behind(error: BaseException) -> OSError | None:

@@ -16,6 +16,14 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="section.field=value
 """`section.field=value` settings applied over the config file, as `load_config` reads them."""
 
 
+def require_importable_stack() -> None:
+    """What a command that imports torch and transformers checks first: no locked package at a version
+    that another one rejects at import (transformers' 50-line ImportError), named with its fix."""
+    from app.env.preflight import require_locked_stack  # packaging and metadata only, no torch
+
+    require_locked_stack(allow_drift=True)
+
+
 def int_list(text: str, option: str, minimum: int) -> list[int]:
     """`"16,64,256"` -> [16, 64, 256]; a one-line error naming `option` unless every item is an
     integer >= `minimum`."""

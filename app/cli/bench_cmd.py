@@ -7,11 +7,17 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import CONFIG_FORMS, Overrides, int_list
+from app.cli.arguments import CONFIG_FORMS, Overrides, int_list, require_importable_stack
 from app.config import load_config
 from app.errors import UserError
 
 group = typer.Typer(help="Benchmarks at a config's exact shapes.", no_args_is_help=True)
+
+
+@group.callback()
+def _check_stack() -> None:
+    """Before any benchmark imports the stack."""
+    require_importable_stack()
 
 
 @group.command("drafter")

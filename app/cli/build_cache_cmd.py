@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import CONFIG_FORMS, Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides, require_importable_stack
 
 
 def build_cache(
@@ -21,6 +21,7 @@ def build_cache(
     Run once per GPU model, torch build and config shape; `dflash train` loads the matching cache at
     start and verifies it by counters. A matching cache makes this a fast no-op.
     """
+    require_importable_stack()
     from app.compile.build import build_cache as build  # torch loads only for this command
     from app.config import load_config
     from app.train.step import DrafterStep

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from app.cli.arguments import CONFIG_FORMS, Overrides
+from app.cli.arguments import CONFIG_FORMS, Overrides, require_importable_stack
 from app.config import RunConfig, load_config
 from app.config.toml_text import config_toml
 
@@ -33,6 +33,7 @@ def show(
     File + overrides + defaults, and the defaults derived from the target (the drafter's head layout,
     FFN, target layers) and the block size (gamma); unset settings are comments."""
     loaded = load_config(config, overrides or [])
+    require_importable_stack()  # the derived defaults import torch and transformers
     data = _with_derived_defaults(loaded).model_dump(mode="json")
     if as_json:
         print(json.dumps(data, indent=2))

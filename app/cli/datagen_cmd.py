@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from app.cli.arguments import CONFIG_FORMS, Overrides, shell_command
+from app.cli.arguments import CONFIG_FORMS, Overrides, require_importable_stack, shell_command
 from app.cli.bars import library_bars_only_on_a_tty
 from app.config import load_config
 
@@ -26,6 +26,7 @@ def datagen(
     earlier failures are retried.
     """
     run_config = load_config(config, overrides or [])
+    require_importable_stack()
     library_bars_only_on_a_tty()
     if run_config.datagen.engine == "local":
         from app.datagen.local import run_local_datagen  # imported here so that `dflash --help` stays fast

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from app.cli.arguments import require_importable_stack
+
 
 def demo(
     overrides: Annotated[
@@ -19,6 +21,8 @@ def demo(
     Runs on CPU in a few minutes with nothing downloaded (the first run also builds the tiny target).
     """
     from app.cli.bars import disable_library_bars
+
+    require_importable_stack()
     from app.demo.run import run_demo
 
     # The demo narrates its own steps; the libraries' bars over its tiny local files are noise there.

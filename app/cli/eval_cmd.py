@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from app.atomic import write_bytes_atomic
-from app.cli.arguments import int_list
+from app.cli.arguments import int_list, require_importable_stack
 
 
 def evaluate(
@@ -74,6 +74,8 @@ def evaluate(
     Speculative-decodes them with the target and the drafter and prints chain and tree tau and their
     histograms (exit 1 when --check-lossless finds a decode other than the target's)."""
     from app.cli.bars import library_bars_only_on_a_tty
+
+    require_importable_stack()
     from app.evaluate.trained import evaluate_trained  # heavy imports only for this command
 
     library_bars_only_on_a_tty()

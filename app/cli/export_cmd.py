@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from app.cli.arguments import require_importable_stack
 from app.config.schema import StorageConfig
 from app.errors import UserError
 
@@ -36,6 +37,7 @@ def export(
     ] = False,
 ) -> None:
     """Write config.json + model.safetensors that SGLang (DFLASH) and vLLM (dflash) load as the draft model."""
+    require_importable_stack()
     from app.export.trained import export_trained  # torch loads only for this command
 
     exported = export_trained(source, out, dtype.value)

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from app.cli.arguments import require_importable_stack
+
 group = typer.Typer(help="Prompt corpora for datagen, built from what is installed.", no_args_is_help=True)
 
 
@@ -32,6 +34,7 @@ def build(
     """
     from pathlib import Path
 
+    require_importable_stack()
     from app.datagen.corpus import DEFAULT_COUNT, write_corpus  # imported here: `dflash --help` stays fast
 
     started = time.monotonic()

@@ -35,23 +35,33 @@ def train(
     SIGTERM or Ctrl-C checkpoints after the current step and exits 143; `--resume` continues exactly.
     Multi-GPU topologies (topology.*) run under torchrun, one process per GPU (entrypoint.sh train).
     """
-    from app.checkpoint.run_dir import require_run_to_resume
+    from app.checkpoint.run_dir import require_run_to_resume, require_writable
     from app.config import load_config, require_builtin_packages
     from app.data.identity import check_data_identity
-    from app.env.preflight import require_locked_versions
+    from app.data.sources import require_records
+    from app.env.preflight import require_locked_stack
     from app.paths import cache_root
-    from app.pipeline.roles import torchrun_variables
+    from app.pipeline.roles import require_launch_matching, torchrun_variables
 
     run_config = load_config(config, overrides or [])
-    # Before torch loads, a rendezvous is joined or a run directory is touched: a missing group, a
-    # torchrun variable that is no integer, a cache root under a regular file, a resume of no run or on
-    # changed data, or a locked package at another version (transformers' own import-time check is a traceback) is one line.
+    # Before torch loads (seconds on an idle machine, far longer on a loaded node), a rendezvous is
+    # joined or a run directory is touched, each of these is one line: a missing group, the stack (an
+    # off-lock version, an edited lock, a degrading compiler variable), torchrun variables that are no
+    # integer or set outside torchrun, a cache root under a regular file, an output directory that
+    # cannot be written, training data that is missing or blank, a resume of no run or on changed data.
     require_builtin_packages(run_config.target.builtin)
-    require_locked_versions(allow_drift=run_config.train.allow_environment_drift)
+    require_locked_stack(allow_drift=run_config.train.allow_environment_drift)
     torchrun_variables()
+    require_launch_matching(run_config.topology)
     cache_root()
     if resume:
         require_run_to_resume(run_config.train.output_dir)
+    if run_config.topology.nnodes * run_config.topology.nproc_per_node == 1:
+        # one process (under torchrun the logging rank probes it once torch has loaded: ranks creating
+        # and removing the directory at once would race)
+        require_writable(run_config.train.output_dir, keep=False)
+    require_records(run_config.data.train_files)
+    if resume:
         check_data_identity(run_config, resume=True)
     from app.cli.bars import library_bars_only_on_a_tty
     from app.pipeline.distributed import wants_distributed

@@ -60,6 +60,21 @@ def resolve_sources(files: Sequence[str]) -> list[Source]:
     return sources
 
 
+def require_records(files: Sequence[str]) -> None:
+    """Before anything loads (`dflash train` checks it before torch): the training files exist and not
+    every one of them is blank (a blank file among others is counted and skipped when the data loads).
+    A file that holds no record for another reason is found only when it is read."""
+    from app.data.textfiles import is_blank
+
+    members = [member for source in resolve_sources(files) for member in source_members(source)]
+    text = [member for member in members if _shard_kind(member) == "json"]
+    if members and len(text) == len(members) and all(is_blank(member) for member in text):
+        raise UserError(
+            f"data.train_files: {', '.join(map(str, text))}: blank (only whitespace), so there is nothing to "
+            "train on; point data.train_files at the regenerated data"
+        )
+
+
 def _shard_kind(path: Path) -> SourceKind | None:
     return next((kind for suffix, kind in SHARD_KINDS if path.name.endswith(suffix)), None)
 

@@ -42,6 +42,15 @@ def is_utf8(path: Path) -> bool:
     return True
 
 
+def is_blank(path: Path) -> bool:
+    """Whether a text data file holds nothing but whitespace (read until its first other byte)."""
+    with open_binary(path) as handle:
+        while chunk := handle.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
 def open_binary(path: Path) -> Any:
     """The file's bytes, gunzipped for a .gz name."""
     return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")

@@ -45,12 +45,12 @@ def assess(fingerprint: dict[str, Any]) -> list[Finding]:
     """Findings for one fingerprint, problems first."""
     found = [
         *_torch_findings(fingerprint),
-        *_lock_edit_findings(fingerprint),
-        *_package_findings(fingerprint),
+        *lock_edit_findings(fingerprint),
+        *package_findings(fingerprint),
         *shadow_findings(fingerprint),
         *edited_file_findings(fingerprint),
         *startup_file_findings(fingerprint),
-        *_compiler_findings(fingerprint),
+        *compiler_findings(fingerprint),
         *_cache_findings(fingerprint),
         *_bytecode_findings(fingerprint),
         *_gpu_findings(fingerprint),
@@ -70,7 +70,7 @@ def _torch_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     return [Finding("problem", f"torch does not import: {error}", fix)] if error else []
 
 
-def _lock_edit_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+def lock_edit_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     """uv.lock edited against the checkout's commit: `./uvw sync --locked` would install the edit (a
     broken one does not even parse), so the fix is to restore the file first."""
     project = fingerprint.get("project") or {}
@@ -86,7 +86,7 @@ def _lock_edit_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     ]
 
 
-def _package_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+def package_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     packages = fingerprint["packages"]
     if not packages.get("checked"):
         return [
@@ -224,7 +224,7 @@ def _files(count: int) -> str:
     return "1 file differs" if count == 1 else f"{count} files differ"
 
 
-def _compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:
+def compiler_findings(fingerprint: dict[str, Any]) -> list[Finding]:
     return [
         Finding("problem", f"{flag.name}={value}: {flag.why}", f"unset {flag.name}")
         for flag, value in degrading_flags(fingerprint.get("compiler_env") or {})

@@ -1,4 +1,4 @@
-"""The version check a training start runs before anything imports transformers (or torch).
+"""The stack check every command that imports the stack runs before anything imports transformers or torch.
 
 transformers compares the versions of its own dependencies when it is imported (safetensors,
 tokenizers, huggingface-hub, ...) and raises a 50-line ImportError advising `pip install transformers
@@ -19,40 +19,58 @@ from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from app.env.compiler_flags import recorded_compiler_env
 from app.env.guard import ALLOW_SETTING
-from app.env.health import SYNC, edited_file_findings, shadow_findings, startup_file_findings
+from app.env.health import (
+    SYNC,
+    compiler_findings,
+    edited_file_findings,
+    lock_edit_findings,
+    package_findings,
+    shadow_findings,
+    startup_file_findings,
+)
 from app.env.integrity import edited_files, startup_files
 from app.env.origins import import_origins, in_site, removal_fix, site_packages
 from app.env.packages import installed_distributions, normalize_name, package_drift, read_lock, versions_in
-from app.env.project import LOCK_FILE, find_project_root
+from app.env.project import LOCK_FILE, find_project_root, git_revision
 from app.errors import UserError
 
 
-def require_locked_versions(
+def require_locked_stack(
     *,
     allow_drift: bool,
     search_path: Sequence[str] | None = None,
     project_root: Path | None = None,
     site: Sequence[str] | None = None,
 ) -> None:
-    """Refuse, in one line naming each package and the fix, a locked package at another version, a
-    key package imported from a copy outside the venv, a file edited inside an installed package, and
-    a startup file in site-packages that no package installed.
+    """Refuse, in one line naming each finding and its fix, what would crash or silently change a
+    command that imports the stack, before anything imports it: an edited uv.lock (alone: the rest is
+    compared with it), a locked package at another version, a package the lock does not name (an
+    inference stack), a compiler variable that disables or degrades compilation, a key package imported
+    from a copy outside the venv, a file edited inside an installed package, and a startup file in
+    site-packages that no package installed. Every command
+    that imports torch or transformers calls it first.
 
-    `allow_drift` (train.allow_environment_drift) lets a start run with off-lock versions, but not
-    with one that another installed package rejects: that start would only crash at import.
+    `allow_drift` (train.allow_environment_drift) lets a start run with all of these but an off-lock
+    version that another installed package rejects: that start would only crash at import.
     `search_path` overrides sys.path; `project_root` the search for pyproject.toml and uv.lock; `site`
     the venv's site-packages (what a copy outside of is no sync's to fix).
     """
     root = project_root if project_root is not None else find_project_root()
     if root is None or not (root / LOCK_FILE).is_file():
         return  # no lock to compare with: the guard reports that, with its fix
+    if not allow_drift:
+        edited_lock = lock_edit_findings({"project": git_revision(root)})
+        if edited_lock:  # its versions are no reference, and a broken edit does not even parse
+            raise UserError(edited_lock[0].line())
     try:
         lock = read_lock(root / LOCK_FILE)
     except UserError:
         return  # an unreadable lock is the guard's finding too
     installed = installed_distributions(search_path)
-    mismatched = package_drift(versions_in(lock), installed)["mismatched"]
+    drift = package_drift(versions_in(lock), installed)
+    mismatched = drift["mismatched"]
     if allow_drift:
         rejected = _rejections(mismatched, set(versions_in(lock)), search_path)
         mismatched = [
@@ -61,16 +79,25 @@ def require_locked_versions(
             if entry["name"] in rejected
         ]
     lines = [_described(entry, site_packages() if site is None else site) for entry in mismatched]
-    if not allow_drift:  # the guard names these too, but only after transformers imported the copy
+    if not allow_drift:  # the guard names these too, but only after torch and transformers imported
         site_dirs = site_packages() if site is None else site
         found = {
+            # packages the lock does not name (an inference stack); off-lock versions are described above
+            "packages": {"checked": True, "stray": drift["stray"], "mismatched": [], "duplicates": []},
             "imports": import_origins(),
             "installed_files": {
                 "edited": edited_files(search_path),
                 "startup": startup_files(site_dirs, search_path),
             },
+            "compiler_env": recorded_compiler_env(),
         }
-        checks = (shadow_findings, edited_file_findings, startup_file_findings)
+        checks = (
+            package_findings,
+            compiler_findings,
+            shadow_findings,
+            edited_file_findings,
+            startup_file_findings,
+        )
         lines += [finding.line() for check in checks for finding in check(found)]
     if lines:
         raise UserError("; ".join(lines))

@@ -165,6 +165,25 @@ def torchrun_variables() -> dict[str, int]:
     return found
 
 
+def require_launch_matching(topology: TopologyConfig) -> None:
+    """Before torch loads: under torchrun (it always sets TORCHELASTIC_RUN_ID), the job's shape is the
+    config's (`layout_from_environment`); outside it, no torchrun variable left over from another
+    launch claims another number of processes than the config lays out."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        layout_from_environment(topology)
+        return
+    expected = topology.nnodes * topology.nproc_per_node
+    found = [name for name in TORCHRUN_VARIABLES if name in os.environ]
+    if not found or torchrun_variables().get("WORLD_SIZE", 1) == expected:
+        return
+    launch = ", or launch under torchrun (entrypoint.sh train does)" if expected > 1 else ""
+    raise UserError(
+        f"{' '.join(f'{name}={os.environ[name]}' for name in found)}: set outside torchrun (a leftover "
+        f"export?) for a config that lays out {expected} process{'es' * (expected > 1)}; unset "
+        f"{' '.join(found)}{launch}"
+    )
+
+
 def layout_from_environment(topology: TopologyConfig) -> RankLayout:
     """This process's layout from torchrun's RANK / WORLD_SIZE / LOCAL_RANK (one process: rank 0 of 1),
     its node count and processes per node checked against the config's (GROUP_WORLD_SIZE /
