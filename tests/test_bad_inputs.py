@@ -173,6 +173,18 @@ def missing_training_data(tmp: Path) -> tuple[list[str], dict[str, str], str]:
     )
 
 
+def fresh_run_into_a_foreign_directory(tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "notes.md").write_text("mine\n")
+    (tmp / "mine" / "train.log").write_text("")  # what `> DIR/train.log` makes first: no reason to refuse
+    return (
+        ["train", "configs/tiny.toml", f"train.output_dir={tmp / 'mine'}"],
+        {},
+        f"train.output_dir = {tmp / 'mine'}: holds notes.md, which are not a run's; a new run would mix its "
+        "files with them: choose a new or empty directory",
+    )
+
+
 CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     non_utf8_config,
     directory_as_config,
@@ -187,6 +199,7 @@ CASES: list[Callable[[Path], tuple[list[str], dict[str, str], str]]] = [
     output_dir_under_a_symlink_loop,
     blank_training_data,
     missing_training_data,
+    fresh_run_into_a_foreign_directory,
 ]
 
 

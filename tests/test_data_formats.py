@@ -19,6 +19,7 @@ from app.config.schema import DataConfig, RunConfig
 from app.data.dataset import load_tokenized, load_training_data, split_holdout
 from app.data.formats import MalformedRecord, detect_format, normalize_record
 from app.errors import UserError
+from tests.helpers import unwritable_directory
 
 
 def conversation(index: int, answer_words: int = 24) -> dict:
@@ -461,3 +462,18 @@ def test_bytes_that_are_not_utf8_are_refused_naming_the_line(tmp_path, tiny_toke
     with pytest.raises(UserError, match=rf"^{expected}$"):
         load([str(path)], tmp_path, tiny_tokenizer)
     assert list((tmp_path / "cache").iterdir()) == []  # nothing half-built is left behind
+
+
+def test_an_unwritable_tokenized_cache_is_one_line_naming_the_setting(tmp_path, tiny_tokenizer) -> None:
+    """A data.cache_dir the process cannot write (a read-only file system, no permission) was a
+    64-line traceback from mkdir; it is one line naming the setting and the directory."""
+    files = [write_jsonl(tmp_path / "a.jsonl", [conversation(i) for i in range(4)])]
+    why = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"  # root: chattr +i
+    with unwritable_directory(tmp_path / "read-only") as read_only:
+        for cache in (read_only / "tokenized", read_only):  # a cache to create there, or to write into
+            with pytest.raises(UserError) as refused:
+                load(files, tmp_path, tiny_tokenizer, cache_dir=str(cache))
+            assert str(refused.value) == (
+                f"data.cache_dir = {cache}: cannot create or write the tokenized cache {cache} ({why}); point "
+                "data.cache_dir at a writable directory"
+            )

@@ -12,6 +12,18 @@ from app.atomic import write_bytes_atomic
 from app.errors import UserError
 
 WRITE_PROBE = ".dflash-write-probe"
+RUN_MARKERS = (
+    "config.json",
+    "status.json",
+    "environment.jsonl",
+    "fingerprint.json",
+    "metrics.jsonl",
+    "checkpoints",
+)
+"""Entries only a run writes: a directory holding one is a run's (an earlier attempt's, maybe)."""
+LOG_SUFFIXES = (".log", ".out", ".err")
+"""Files a shell redirection makes in the run directory before the run starts (`> RUN/train.log`)."""
+NAMES_SHOWN = 5
 
 
 def require_run_to_resume(run_dir: str | Path) -> None:
@@ -22,6 +34,27 @@ def require_run_to_resume(run_dir: str | Path) -> None:
             f"train.output_dir = {run_dir}: does not exist, so there is no run to resume there; check the "
             "path, or drop --resume to start a new run"
         )
+
+
+def require_own_directory(run_dir: str | Path) -> None:
+    """A new run starts in a new or empty directory, or a run's (an abandoned attempt): one holding
+    other things (a home directory, a dataset) would get the run's files mixed into them."""
+    try:
+        entries = [entry for entry in Path(run_dir).iterdir() if not entry.name.startswith(".")]
+    except OSError:
+        return  # none yet (the start creates it), or one `require_writable` refuses saying why
+    foreign = sorted(
+        e.name for e in entries if e.name not in RUN_MARKERS and not e.name.endswith(LOG_SUFFIXES)
+    )
+    if not foreign or any(entry.name in RUN_MARKERS for entry in entries):
+        return
+    shown = ", ".join(foreign[:NAMES_SHOWN]) + (
+        f" and {len(foreign) - NAMES_SHOWN} more" if len(foreign) > NAMES_SHOWN else ""
+    )
+    raise UserError(
+        f"train.output_dir = {run_dir}: holds {shown}, which are not a run's; a new run would mix its files "
+        "with them: choose a new or empty directory"
+    )
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from app.atomic import (
     write_json_atomic,
     write_text_atomic,
 )
-from app.checkpoint.run_dir import require_run_to_resume, require_writable
+from app.checkpoint.run_dir import require_own_directory, require_run_to_resume, require_writable
 from app.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -151,6 +151,8 @@ def check_run_directory(run_dir: str | Path, resume: bool) -> None:
     What a SIGKILL left is removed: a status or config file's temp file, a checkpoint's staging."""
     if resume:
         require_run_to_resume(run_dir)
+    if not resume:
+        require_own_directory(run_dir)
     require_writable(run_dir, keep=True)
     remove_abandoned_temp_files(run_dir)
     root = checkpoint_root(run_dir)

@@ -35,7 +35,7 @@ def train(
     SIGTERM or Ctrl-C checkpoints after the current step and exits 143; `--resume` continues exactly.
     Multi-GPU topologies (topology.*) run under torchrun, one process per GPU (entrypoint.sh train).
     """
-    from app.checkpoint.run_dir import require_run_to_resume, require_writable
+    from app.checkpoint.run_dir import require_own_directory, require_run_to_resume, require_writable
     from app.config import load_config, require_builtin_packages
     from app.data.identity import check_data_identity
     from app.data.sources import require_records
@@ -56,6 +56,8 @@ def train(
     cache_root()
     if resume:
         require_run_to_resume(run_config.train.output_dir)
+    else:
+        require_own_directory(run_config.train.output_dir)
     if run_config.topology.nnodes * run_config.topology.nproc_per_node == 1:
         # one process (under torchrun the logging rank probes it once torch has loaded: ranks creating
         # and removing the directory at once would race)

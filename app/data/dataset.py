@@ -209,8 +209,12 @@ def load_tokenized(
     final = root / key
     if (final / SUMMARY_FILE).is_file():
         return _cache_hit(final)
-    root.mkdir(parents=True, exist_ok=True)
-    with _building_in(root):
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        handle = os.open(root, os.O_RDONLY)
+    except OSError as error:
+        raise _unwritable_cache(root, data, error) from None
+    with _building_in(handle, root):
         # The lock holder is the only builder here, so a staging directory of this key is a killed
         # build's; and a process that waited for another one's build of this key reads it.
         if (final / SUMMARY_FILE).is_file():
@@ -218,7 +222,10 @@ def load_tokenized(
         for abandoned in root.glob(f".{key}.*"):
             if abandoned.is_dir():
                 shutil.rmtree(abandoned, ignore_errors=True)
-        build = staging_directory(root / key)
+        try:
+            build = staging_directory(root / key)
+        except OSError as error:
+            raise _unwritable_cache(root, data, error) from None
         try:
             rows, summary = _tokenize_sources(sources, chat, data, min_supervised_tokens, build, key)
             summary.cache_path = str(final)
@@ -235,11 +242,20 @@ def load_tokenized(
     return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
 
 
+def _unwritable_cache(root: Path, data: DataConfig, error: OSError) -> UserError:
+    """The tokenized cache cannot be made or written (a read-only file system, no permission): the
+    setting that put it there, not the OS's traceback."""
+    setting = f"data.cache_dir = {data.cache_dir}" if data.cache_dir else f"DFLASH_CACHE ({root.parent})"
+    return UserError(
+        f"{setting}: cannot create or write the tokenized cache {root} ({error.strerror or error}); point "
+        f"{'data.cache_dir' if data.cache_dir else 'DFLASH_CACHE'} at a writable directory"
+    )
+
+
 @contextlib.contextmanager
-def _building_in(root: Path) -> Iterator[None]:
-    """Hold the cache directory's lock (flock on the directory itself: nothing is left behind), so
-    one process tokenizes into it at a time."""
-    handle = os.open(root, os.O_RDONLY)
+def _building_in(handle: int, root: Path) -> Iterator[None]:
+    """Hold the cache directory's lock (flock on the directory itself, opened as `handle`: nothing is
+    left behind), so one process tokenizes into it at a time."""
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
