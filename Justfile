@@ -20,8 +20,8 @@ test-gpu *args:
 
 # lint and format check
 lint:
-    ./uvw run ruff check app tests
-    ./uvw run ruff format --check app tests
+    ./uvw run ruff check app tests scripts
+    ./uvw run ruff format --check app tests scripts
     ./uvw lock --check
 
 # print this machine's environment fingerprint (add --against RUN_DIR to diff); --no-sync: a plain
@@ -77,3 +77,8 @@ bench-gpu dir="runs/bench" file="configs/qwen3-8b-h200.toml":
     ./uvw run python -m app.bench.compile_start run {{file}} --workdir {{dir}}/compile-start --steps 300 --cold-starts 3 --out {{dir}}/compile-start.json
     ./uvw run dflash bench data {{dir}}/data --conversations 1500 --mean-words 900
     ./uvw run dflash bench pipeline {{file}} topology.target_ranks=1 topology.drafter_ranks=1 topology.nproc_per_node=2 target.tokenizer={{dir}}/data/tokenizer "data.train_files=['{{dir}}/data/train.jsonl']" --steps 200 --workdir {{dir}}/pipeline --out {{dir}}/pipeline.json
+
+# mutation testing (mutmut): the mutants of MODULEs against the tests that import them; prints each module's
+# score and every surviving mutant (docs/testing.md): just mutate app/train/metrics.py
+mutate +modules:
+    ./uvw run python scripts/mutate.py {{modules}}

@@ -28,7 +28,14 @@ from app.bench.quality import (
     last_training_line,
     run_children,
 )
-from app.bench.quality_report import format_table, interval, paired_change, rank_correlation
+from app.bench.quality_report import (
+    format_table,
+    interval,
+    paired_change,
+    rank_correlation,
+    summarize,
+    write_report,
+)
 from app.cli.bench_cmd import _variants
 from app.config import load_config
 from app.errors import UserError
@@ -54,6 +61,11 @@ def test_the_interval_is_students_t_over_the_seeds():
     mean, half = interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and math.isclose(half, 4.303 / math.sqrt(3))
     assert math.isclose(interval([1.0, 3.0])[1], 12.706)
+
+
+def test_beyond_nine_degrees_of_freedom_the_interval_takes_the_normal_1_96():
+    values = [float(v) for v in range(11)]
+    assert interval(values) == pytest.approx((5.0, 1.96 * statistics.stdev(values) / math.sqrt(11)))
 
 
 def test_the_eval_split_is_the_first_prompts_of_each_held_out_domain(tmp_path):
@@ -242,6 +254,8 @@ def test_a_stop_signal_reaches_the_live_children_which_finish_and_no_later_child
         "time.sleep(60)\n"
     )
     monkeypatch.setattr(quality, "DFLASH", [sys.executable, "-c", child])
+    # a relay of its own: the signal it records would otherwise stop whichever test runs children next
+    monkeypatch.setattr(quality, "STOP", quality.StopRelay())
     lines: list[str] = []
 
     def log(line: str) -> None:
@@ -263,3 +277,76 @@ def test_a_stop_signal_reaches_the_live_children_which_finish_and_no_later_child
     assert {"[a] checkpointed a", "[b] checkpointed b"} <= set(lines)
     assert not any(line.startswith("[c]") for line in lines)
     assert signal.getsignal(signal.SIGTERM) is not quality.STOP._relay  # handlers restored after
+
+
+def test_a_summary_of_one_seed_keeps_its_figures_and_a_result_without_domains_has_only_all():
+    one = seed_report(2.0, 3.0, {"code": (1.5, 2.5)})
+    row = {"prompts": 3, "top1_per_depth": [0.5, None], "accepted_per_depth": [0.4, 0.1]}
+    assert summarize([one]) == {
+        "all": {"tau": (2.0, 0.0), "tree@64": (3.0, 0.0), **row},
+        "code": {"tau": (1.5, 0.0), "tree@64": (2.5, 0.0), **row},
+    }
+    plain = {key: value for key, value in one.items() if key != "domains"}
+    assert list(summarize([plain, plain])) == ["all"] and summarize([]) == {}
+    # per depth: the mean over the seeds that reached that depth; a figure one seed lacks is left out
+    other = seed_report(2.0, 3.0, {})
+    other["per_depth"] = {"top1": [0.7, 0.3], "top4": [0.9]}
+    summary = summarize([plain, other])["all"]
+    assert summary["top1_per_depth"] == pytest.approx([0.6, 0.3]) and "top4_per_depth" not in summary
+
+
+def test_a_pairing_over_one_common_seed_and_a_rank_correlation_of_two_distinct_values():
+    change = paired_change(
+        {3: seed_report(2.0, 4.0, {})}, {3: seed_report(2.5, 3.0, {}), 4: seed_report(9, 9, {})}
+    )
+    assert change == {"tau": pytest.approx((25.0, 0.0)), "tree@64": pytest.approx((-25.0, 0.0))}
+    two_xs = [(1, 1), (1, 2), (2, 3)]
+    assert rank_correlation(two_xs) == pytest.approx(statistics.correlation([0.5, 0.5, 2], [0, 1, 2]))
+    assert rank_correlation([(y, x) for x, y in two_xs]) == pytest.approx(rank_correlation(two_xs))
+
+
+def test_the_table_of_one_domain_has_no_gap_and_an_undefined_correlation_says_why():
+    assert format_table(QualityReport()) == ["bench quality: nothing evaluated"]
+    seeds = {0: seed_report(2.0, 3.0, {"code": (2.0, 3.0)}), 1: seed_report(2.0, 3.0, {"code": (2.0, 3.0)})}
+    report = QualityReport(
+        results={"ce": seeds, "tv": {0: seed_report(2.2, 3.3, {}), 1: seed_report(2.2, 3.3, {})}},
+        evals={"tv": {0: [(1.0, 2.0)], 1: [(1.0, 2.0), (2.0, 3.0), (3.0, 4.0)]}},
+    )
+    lines = format_table(report)
+    assert lines[1] == "domain     prompts            tau        tree@64"
+    assert not any(line.startswith("gap") or line.startswith("target's") for line in lines)
+    assert "tv vs ce (paired by seed, mean +- 95% interval): tau +10.0% +-0.0, tree@64 +10.0% +-0.0" in lines
+    assert (
+        "tv: rank correlation of tree_streak with held-out tree tau over evals: seed 0 n/a (under 3 evals), seed 1 +1.00"
+        in lines
+    )
+
+
+def test_the_report_file_has_the_results_their_summary_and_the_comparisons(tmp_path):
+    seeds = {0: seed_report(2.0, 3.0, {}), 1: seed_report(2.2, 3.2, {})}
+    seeds[0]["target_predictability"] = {"all": {"tokens": 30}}
+    report = QualityReport(
+        results={"ce": seeds, "tv": {1: seed_report(2.2, 3.52, {})}},
+        training={"ce": {1: {"step": 10}}},
+        evals={"ce": {0: [(1.0, 2.0), (2.0, 2.5), (3.0, 2.4)]}},
+        stage_seconds={"eval": 12.0},
+    )
+    write_report(report, tmp_path / "quality.json")
+    written = json.loads((tmp_path / "quality.json").read_text())
+    assert written["results"] == {
+        "ce": {"0": seeds[0], "1": seeds[1]},
+        "tv": {"1": seed_report(2.2, 3.52, {})},
+    }
+    assert written["training"] == {"ce": {"1": {"step": 10}}} and written["stage_seconds"] == {"eval": 12.0}
+    assert written["summary"]["ce"] == json.loads(json.dumps(summarize([seeds[0], seeds[1]])))
+    assert written["baseline"] == "ce" and list(written["paired_change_percent"]) == ["tv"]
+    assert written["paired_change_percent"]["tv"] == {
+        "tau": [0.0, 0.0],
+        "tree@64": pytest.approx([10.0, 0.0]),
+    }
+    assert written["rank_correlation"] == {"ce": {"0": pytest.approx(0.5)}}
+    assert written["target_predictability"] == {"all": {"tokens": 30}}
+    assert written["evals"] == {"ce": {"0": [[1.0, 2.0], [2.0, 2.5], [3.0, 2.4]]}}
+    write_report(QualityReport(), tmp_path / "empty.json")
+    empty = json.loads((tmp_path / "empty.json").read_text())
+    assert empty["baseline"] is None and empty["target_predictability"] == {} and empty["summary"] == {}
