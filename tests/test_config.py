@@ -268,6 +268,11 @@ def test_cli_config_show_and_exit_codes(tmp_path: Path) -> None:
             ["train.lr=0.5", 'data.chat_template_kwargs={think=false, say="a\\"b", t=1.5e-7}'],
         ),
         ("configs/qwen3.6-27b.toml", []),  # its target is not here: the derived settings stay unset
+        (
+            "configs/tiny.toml",
+            ['telemetry.run_name="run \U0001f680 \x7f"'],
+        ),  # TOML escapes neither as JSON does
+        ("configs/tiny.toml", ["telemetry.run_name=2026-12-04"]),  # a string field takes the text, not a date
     ],
 )
 def test_config_show_prints_a_config_train_accepts_as_it_is(

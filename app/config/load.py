@@ -221,6 +221,8 @@ def _apply_override(raw: dict[str, Any], override: str) -> str:
             raise ConfigError(f"override {override!r}: {'.'.join(parts[: depth + 1])} is not a section")
     _check_known(parts[-1], model, ".".join(parts[:-1]), source=f"override {override!r}")
     value = _parse_value(text.strip())
+    if not isinstance(value, str) and model is not None and _is_string_field(model, parts[-1]):
+        value = text.strip()  # `telemetry.run_name=2026-12-04` is a name, not the date TOML reads there
     if isinstance(value, str) and model is not None and _is_list_field(model, parts[-1]):
         if value.startswith("[") != value.endswith("]"):  # a cut list, not a file named "[unclosed"
             raise ConfigError(
@@ -241,13 +243,29 @@ def _parse_value(text: str) -> Any:
 
 def _is_list_field(model: type[BaseModel], name: str) -> bool:
     """`list[...]`, also inside an Optional."""
-    annotation = model.model_fields[name].annotation
-    candidates = (
-        typing.get_args(annotation)
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
-        else (annotation,)
+    return any(typing.get_origin(candidate) is list for candidate in _field_types(model, name))
+
+
+def _is_string_field(model: type[BaseModel], name: str) -> bool:
+    """`str` or a Literal of strings, also inside an Optional, and nothing else: the override's text is
+    the value whatever TOML would read in it."""
+    kinds = [candidate for candidate in _field_types(model, name) if candidate is not type(None)]
+    return bool(kinds) and all(
+        candidate is str
+        or (
+            typing.get_origin(candidate) is typing.Literal
+            and all(isinstance(a, str) for a in typing.get_args(candidate))
+        )
+        for candidate in kinds
     )
-    return any(typing.get_origin(candidate) is list for candidate in candidates)
+
+
+def _field_types(model: type[BaseModel], name: str) -> tuple[Any, ...]:
+    """The field's annotation, or the members of its Union."""
+    annotation = model.model_fields[name].annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
 
 
 def _section_model(model: type[BaseModel] | None, name: str) -> type[BaseModel] | None:
