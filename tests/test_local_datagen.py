@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -17,15 +18,15 @@ from app.errors import UserError
 from app.model.target import load_target
 from app.model.tiny_lm import chat_sample
 from app.model.tiny_tokenizer import corpus_paragraphs
-from tests.datagen_helpers import quiet_console
+from tests.datagen_helpers import quiet_console, start_cli, wait_for, write_run_config
 from tests.helpers import dflash
 from tests.test_speculative import greedy_reference
 
 
-def write_prompts(path: Path) -> Path:
-    """Six of the tiny target's own kind of prompt (a paragraph's opening words), then a record the
+def write_prompts(path: Path, count: int = 6) -> Path:
+    """`count` of the tiny target's own kind of prompt (a paragraph's opening words), then a record the
     local engine cannot answer (two assistant turns)."""
-    paragraphs = [p for p in corpus_paragraphs() if len(p.split()) >= 24][:6]
+    paragraphs = [p for p in corpus_paragraphs() if len(p.split()) >= 24][:count]
     with open(path, "w") as handle:
         for index, paragraph in enumerate(paragraphs):
             record = {
@@ -120,26 +121,62 @@ def test_a_stop_signal_commits_the_answers_that_ended_and_the_rerun_answers_the_
     import os
     import signal
 
-    from app.datagen.local import _LocalRun
+    from app.datagen.run import RegenerationRun
 
     whole = rows_of_one_run(tmp_path / "whole")
-    commit, committed = _LocalRun._commit, []
+    answered, committed = RegenerationRun.answered, []
 
-    def commit_then_stop(self, *args):
-        commit(self, *args)
-        committed.append(args[0].record.id)
+    def answered_then_stop(self, record, *args):
+        answered(self, record, *args)
+        committed.append(record.id)
         if len(committed) == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # the engine's own handler takes it
 
-    monkeypatch.setattr(_LocalRun, "_commit", commit_then_stop)
+    monkeypatch.setattr(RegenerationRun, "answered", answered_then_stop)
     run = config(tmp_path)
     stopped = run_local_datagen(run, quiet_console())
     assert stopped.stopped_by == "SIGTERM" and (stopped.done, stopped.unfinished) == (2, 4)
     assert sorted(row["id"] for row in rows(tmp_path / "out")) == sorted(committed)
-    monkeypatch.setattr(_LocalRun, "_commit", commit)
+    monkeypatch.setattr(RegenerationRun, "answered", answered)
     rest = run_local_datagen(run, quiet_console())
     assert (rest.done, rest.resumed) == (4, 2)
     assert sorted_records(tmp_path / "out") == whole
+
+
+def test_a_killed_run_kept_what_waited_flush_interval_s_and_its_rerun_owes_exactly_the_rest(
+    tmp_path, tiny_lm_dir
+):
+    """`dflash datagen` on the local engine, SIGKILLed mid-run with shards of 1,000 records: what was
+    answered before the last timed commit (`flush_interval_s`, 0.5 s) is on disk, the record that
+    failed in an earlier run and is not yet answered is still a reject; the rerun answers exactly the
+    missing records, and the committed shards stay as they were."""
+    prompts = write_prompts(tmp_path / "many.jsonl", count=10)
+    output = tmp_path / "out"
+    (output / ".datagen").mkdir(parents=True)
+    earlier = {"id": "p9", "source": "earlier", "reason": "an earlier failure", "model": None, "time": "x"}
+    (output / ".datagen" / "rejects.jsonl").write_text(json.dumps(earlier) + "\n")
+    datagen = {"engine": "local", "prompts": [str(prompts)], "output_dir": str(output), "max_tokens": 24}
+    run_config = write_run_config(
+        tmp_path / "run.toml", {**datagen, "local_rows": 1, "shard_size": 1000, "flush_interval_s": 0.5}
+    )
+    first = start_cli(run_config)
+    wait_for(lambda: any(output.glob("part-*.parquet")), 180, "a shard committed by the timer")
+    assert first.poll() is None, "the run finished before it could be killed"
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+
+    kept = {shard.name: shard.read_bytes() for shard in output.glob("part-*.parquet")}
+    kept_ids = [row["id"] for row in rows(output)]
+    assert len(kept_ids) == len(set(kept_ids)) >= 1 and "p9" not in kept_ids
+    assert {entry["id"] for entry in map(json.loads, (output / ".datagen" / "rejects.jsonl").open())} == {
+        "p9",
+        "multi",
+    }  # carried while still owed, and this run's own failure
+
+    rerun = run_local_datagen(config(tmp_path, prompts=[str(prompts)], max_tokens=24), quiet_console())
+    assert (rerun.done, rerun.resumed, rerun.failed) == (10 - len(kept_ids), len(kept_ids), 1)
+    assert sorted(row["id"] for row in rows(output)) == sorted(f"p{i}" for i in range(10))
+    assert all((output / name).read_bytes() == data for name, data in kept.items())
 
 
 def rows_of_one_run(root: Path) -> list[dict]:

@@ -34,6 +34,7 @@ from typing import Any
 from app.atomic import write_text_atomic
 from app.config import load_config
 from app.errors import UserError
+from app.signals import stop_signals
 
 DFLASH = [sys.executable, "-m", "app"]
 """How a child runs `dflash`: this interpreter, this checkout."""
@@ -292,12 +293,8 @@ class StopRelay:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         self.signal = None
-        previous = {sig: signal.signal(sig, self._relay) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        with stop_signals(self._relay):
             yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
     @contextlib.contextmanager
     def watching(self, child: subprocess.Popen) -> Iterator[None]:
@@ -318,11 +315,11 @@ class StopRelay:
                 "answers that ended are kept); the same command resumes"
             )
 
-    def _relay(self, signum: int, frame: object) -> None:
-        self.signal = signal.Signals(signum)
+    def _relay(self, sig: signal.Signals) -> None:
+        self.signal = sig
         with self._lock:
             for child in self._children:
-                child.send_signal(signum)
+                child.send_signal(sig)
 
 
 STOP = StopRelay()

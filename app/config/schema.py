@@ -505,8 +505,9 @@ class DatagenConfig(Section):
     are written the same way."""
 
     local_rows: int = Field(256, ge=1)
-    """engine = "local": prompts decoded at once. More rows, more tokens/s, until the KV cache
-    (rows x (local_max_prompt_tokens + max_tokens) slots per layer) or the GPU's bandwidth runs out."""
+    """engine = "local": prompts decoded at once. More rows, more tokens/s, until the KV cache (rows x
+    the longest prompt plus max_tokens, in whole 128-slot blocks, per layer; at most
+    local_max_prompt_tokens + max_tokens rounded up) or the GPU's bandwidth runs out."""
 
     local_max_prompt_tokens: int = Field(1024, ge=1)
     """engine = "local": the longest rendered prompt answered; longer records fail with that reason."""

@@ -10,7 +10,6 @@ rank 0 publishes), so on a normal finish every send has been received.
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from app.pipeline.features import eager_forward, features_on_device
 from app.pipeline.prefetch import BatchPreparer, Prefetcher, PreparedBatch
 from app.pipeline.sidechannel import SideChannel
 from app.pipeline.transport import FeatureSender, Outgoing, TransportError, encode_meta, send_heads
+from app.signals import stop_signals
 
 Log = Callable[[str], None]
 
@@ -117,32 +117,25 @@ class TargetWorker:
             mine, self._prepared, depth=self.config.topology.prefetch_batches, device=runtime.device
         )
         sender = FeatureSender(runtime, self._sent)
-        previous_handlers = self._keep_feeding_on_signals()
+        # SIGTERM/SIGINT (docker stop reaches every rank) do not stop a target: the drafters agree on the
+        # step to stop after, and may still need batches for it; they publish "stopped" and this rank
+        # then ends (`TargetStopped`). A dead drafter group brings it down through the watchdog instead.
         try:
-            while (prepared := self._next_prepared()) is not None:
-                if not sender.put(self._forward(prepared), abandon=self._drafters_stopped):
+            with stop_signals(
+                lambda sig: self.log(f"received {sig.name}: feeding the drafters until they stop")
+            ):
+                while (prepared := self._next_prepared()) is not None:
+                    if not sender.put(self._forward(prepared), abandon=self._drafters_stopped):
+                        raise TargetStopped()
+                if not sender.finish(abandon=self._drafters_stopped):
                     raise TargetStopped()
-            if not sender.finish(abandon=self._drafters_stopped):
-                raise TargetStopped()
         except TransportError:
             if self._drafters_stopped():  # a drafter that stopped on purpose closed its connections
                 raise TargetStopped() from None
             raise
         finally:
             self._prefetcher.close()
-            for sig, handler in previous_handlers.items():
-                signal.signal(sig, handler)
         self.log(f"done: {self.batches} batches sent, {self.forward_seconds:.0f}s in the target forward")
-
-    def _keep_feeding_on_signals(self) -> dict[int, object]:
-        """SIGTERM/SIGINT (docker stop reaches every rank) do not stop a target: the drafters agree on the
-        step to stop after, and may still need batches for it; they publish "stopped" and this rank
-        then ends (`TargetStopped`). A dead drafter group brings it down through the watchdog instead."""
-
-        def note(signum: int, frame: object) -> None:
-            self.log(f"received {signal.Signals(signum).name}: feeding the drafters until they stop")
-
-        return {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def _next_prepared(self) -> Prepared | None:
         assert self._prefetcher is not None

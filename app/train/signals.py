@@ -7,16 +7,15 @@ whether any of them was asked.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from app.pipeline.distributed import Runtime
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from app.signals import stop_signals
 
 
 class StopRequest:
@@ -25,19 +24,17 @@ class StopRequest:
     def __init__(self, note: Callable[[str], None]) -> None:
         self.requested = False
         self._note = note
-        self._previous: dict[int, Any] = {}
+        self._installed = contextlib.ExitStack()
 
     def install(self) -> None:
-        def request_stop(signum: int, frame: Any) -> None:
-            self._note(f"received {signal.Signals(signum).name}: checkpointing after this step")
-            self.requested = True
-
-        self._previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
+        self._installed.enter_context(stop_signals(self._request))
 
     def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
+        self._installed.close()
+
+    def _request(self, sig: signal.Signals) -> None:
+        self._note(f"received {sig.name}: checkpointing after this step")
+        self.requested = True
 
     def agreed(self, runtime: Runtime | None) -> bool:
         """Stop after this step? True on every drafter rank when any of them was asked."""
