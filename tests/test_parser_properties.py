@@ -4,9 +4,11 @@ of integers."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import string
 import subprocess
+from unittest import mock
 
 import pytest
 from hypothesis import example, given, settings
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from app.cli.arguments import int_list, shell_command
 from app.errors import UserError
+from app.pipeline.roles import torchrun_variables
 from app.storage.s3 import S3Location, parse_s3_uri
 
 any_character = st.characters(exclude_characters="\x00", exclude_categories=("Cs",))
@@ -62,3 +65,21 @@ def test_a_comma_list_of_integers_reads_back(values: list[int], spaces: bool) ->
 def test_a_bad_comma_list_is_one_line_naming_the_option(text: str) -> None:
     with pytest.raises(UserError, match=r"^--tree-budget: expected integers >= 1 separated by commas"):
         int_list(text, "--tree-budget", 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(st.one_of(st.sampled_from(list("0123456789 -+_\n")), any_character), min_size=1, max_size=8)
+)
+def test_a_rank_variable_is_an_integer_or_one_line_naming_it(text: str) -> None:
+    with mock.patch.dict(os.environ, {"RANK": text}):
+        try:
+            expected = int(text)
+        except ValueError:
+            expected = -1
+        if expected >= 0:
+            assert torchrun_variables()["RANK"] == expected
+            return
+        with pytest.raises(UserError) as error:
+            torchrun_variables()
+    assert str(error.value).startswith("RANK=") and "\n" not in str(error.value)

@@ -158,11 +158,17 @@ def torchrun_variables() -> dict[str, int]:
             value = least - 1
         if value < least:
             raise UserError(
-                f"{name}={text}: expected an integer >= {least} (torchrun sets it in each process it starts; "
+                f"{name}={shown_value(text)}: expected an integer >= {least} (torchrun sets it in each process it starts; "
                 f"outside torchrun, unset {name})"
             )
         found[name] = value
     return found
+
+
+def shown_value(text: str) -> str:
+    """A variable's value as an error line shows it: as it is, or quoted with escapes where it holds a
+    newline or another character that would break the one line."""
+    return text if text.isprintable() else repr(text)
 
 
 def require_launch_matching(topology: TopologyConfig) -> None:
@@ -178,7 +184,7 @@ def require_launch_matching(topology: TopologyConfig) -> None:
         return
     launch = ", or launch under torchrun (entrypoint.sh train does)" if expected > 1 else ""
     raise UserError(
-        f"{' '.join(f'{name}={os.environ[name]}' for name in found)}: set outside torchrun (a leftover "
+        f"{' '.join(f'{name}={shown_value(os.environ[name])}' for name in found)}: set outside torchrun (a leftover "
         f"export?) for a config that lays out {expected} process{'es' * (expected > 1)}; unset "
         f"{' '.join(found)}{launch}"
     )
