@@ -12,7 +12,7 @@ import typer
 from app.cli import cli
 from app.cli.arguments import CONFIG_FORMS
 from app.config import load_config
-from tests.helpers import ROOT
+from tests.helpers import ROOT, dflash
 
 
 def commands(command: Any = None, path: str = "dflash") -> Iterator[tuple[str, Any]]:
@@ -52,3 +52,14 @@ def test_every_config_argument_names_what_load_config_reads(tmp_path: Path) -> N
         update={"train": config.train.model_copy(update={"output_dir": str(tmp_path / "run")})}
     )
     assert load_config(tmp_path / "run") == as_run
+
+
+def test_the_data_loaders_info_lines_show_on_standard_error(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The data module logs its cache hits and builds at INFO, which Python drops without a handler:
+    `dflash` shows them (once each, plain) on standard error."""
+    from app.data import dataset
+
+    dflash(capsys, monkeypatch, "status", str(tmp_path / "none"))  # any command: main() sets it up
+    dflash(capsys, monkeypatch, "status", str(tmp_path / "none"))  # twice: still one handler
+    dataset.log.info("tokenized data: cache hit at %s (%d samples)", tmp_path, 3)
+    assert capsys.readouterr().err == f"tokenized data: cache hit at {tmp_path} (3 samples)\n"

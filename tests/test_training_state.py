@@ -4,6 +4,8 @@ from (each draw has its own seeded generator), is still restored from the checkp
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +20,7 @@ from app.config import load_config
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.train.metrics import NonFiniteLoss
 from app.train.ranks import run_drafter_rank
+from app.train.signals import StopRequest
 from app.train.step import BorrowedHeads, DrafterStep
 from app.train.trainer import Trainer
 from tests.helpers import small_config
@@ -139,3 +142,18 @@ def test_training_draws_nothing_from_the_global_rng_and_a_resume_restores_it(
     assert not torch.equal(torch.get_rng_state(), saved)
     Trainer(small_config(tiny_conversations, tmp_path / "1", *extra), resume=True, log=quiet)
     assert torch.equal(torch.get_rng_state(), saved)
+
+
+def test_the_stop_handler_only_sets_a_flag_and_the_loop_says_it() -> None:
+    """A print inside a signal handler can interrupt a print in progress (a reentrant-call error): the
+    handler only records the signal; the loop's next look says it, once."""
+    notes: list[str] = []
+    stop = StopRequest(notes.append)
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and notes == []
+        assert stop.agreed(None) and notes == ["received SIGTERM: checkpointing after this step"]
+        assert stop.agreed(None) and len(notes) == 1
+    finally:
+        stop.restore()

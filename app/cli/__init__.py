@@ -7,6 +7,7 @@ Stage modules are imported by their subcommand only, so `dflash --help` stays fa
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Annotated
 
@@ -69,8 +70,27 @@ cli.command("status")(status_cmd.status)
 cli.command("pull")(pull_cmd.pull)
 
 
+class _StandardError(logging.Handler):
+    """The appliance's own log records (`app.*`: the data loader's cache hits and waits) as plain
+    lines on standard error, the stream of the moment (a test's capture, a redirected one)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+def show_app_logs() -> None:
+    """Show `app.*` log records of level INFO and above: without a handler Python drops INFO and
+    prints only warnings, so the data loader's "tokenized data: cache hit at ..." never showed."""
+    logger = logging.getLogger("app")
+    if not any(isinstance(handler, _StandardError) for handler in logger.handlers):
+        logger.addHandler(_StandardError())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # a root handler a library configured would print each line twice
+
+
 def main() -> None:
     """Console-script entry point: maps bad input to exit 2 with one line, never a traceback."""
+    show_app_logs()
     try:
         # Without standalone mode click returns a command's `typer.Exit(code)` instead of raising it.
         exit_code = cli(standalone_mode=False)

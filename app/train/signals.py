@@ -1,6 +1,7 @@
 """SIGTERM / SIGINT during training: a request to stop after the current step, checkpointed.
 
-The handler only sets a flag; the loop looks at it after each step. Under torchrun every drafter rank
+The handler only sets a flag (no print: a signal arriving during a print to the same stream would
+raise a reentrant-call error); the loop looks at it after each step and says so then. Under torchrun every drafter rank
 must stop at the same step (they are in lockstep through DDP), so the ranks agree on the host (gloo)
 whether any of them was asked.
 """
@@ -23,6 +24,8 @@ class StopRequest:
 
     def __init__(self, note: Callable[[str], None]) -> None:
         self.requested = False
+        self.received: str | None = None
+        """The signal's name, until the loop has said it."""
         self._note = note
         self._installed = contextlib.ExitStack()
 
@@ -33,11 +36,13 @@ class StopRequest:
         self._installed.close()
 
     def _request(self, sig: signal.Signals) -> None:
-        self._note(f"received {sig.name}: checkpointing after this step")
-        self.requested = True
+        self.requested, self.received = True, sig.name
 
     def agreed(self, runtime: Runtime | None) -> bool:
         """Stop after this step? True on every drafter rank when any of them was asked."""
+        if self.received is not None:
+            self._note(f"received {self.received}: checkpointing after this step")
+            self.received = None
         if runtime is None or runtime.drafter_control is None or runtime.layout.num_drafters == 1:
             return self.requested
         flag = torch.tensor([int(self.requested)])
