@@ -1,7 +1,8 @@
 """The GPUs this process can see: model, compute capability, memory, driver.
 
-Probed without creating a CUDA context where possible (NVML, then nvidia-smi), because callers may
-run before torchrun starts its workers; torch.cuda is the last resort and has no driver version.
+Probed without creating a CUDA context where possible (nvidia-smi, which every NVIDIA driver installs),
+because callers may run before torchrun starts its workers; torch.cuda is the last resort and has no
+driver version.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ def probe_gpus() -> dict:
     """{"source", "count", "devices": [{name, compute_capability, memory_mib, driver_version}], "notes"}."""
     notes: list[str] = []
     for source, probe in (
-        ("nvml", _probe_nvml),
         ("nvidia-smi", _probe_nvidia_smi),
         ("torch.cuda", _probe_torch),
     ):
@@ -37,36 +37,6 @@ def _result(source: str | None, devices: list[dict], notes: list[str]) -> dict:
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "notes": notes,
     }
-
-
-def _probe_nvml() -> tuple[list[dict] | None, str]:
-    try:
-        import pynvml
-    except ImportError:
-        return None, "pynvml not installed"
-    try:
-        pynvml.nvmlInit()
-    except Exception as error:  # NVMLError_LibraryNotFound and friends: no driver on this machine
-        return None, f"init failed ({error})"
-    try:
-        driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        devices = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-            devices.append(
-                _device(
-                    _text(pynvml.nvmlDeviceGetName(handle)),
-                    f"{major}.{minor}",
-                    pynvml.nvmlDeviceGetMemoryInfo(handle).total // (1 << 20),
-                    driver,
-                )
-            )
-        return devices, ""
-    except Exception as error:
-        return None, f"query failed ({error})"
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def _probe_nvidia_smi() -> tuple[list[dict] | None, str]:
@@ -126,7 +96,3 @@ def _device(name: str, capability: str, memory_mib: int | None, driver: str | No
         "memory_mib": memory_mib,
         "driver_version": driver,
     }
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
