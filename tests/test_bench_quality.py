@@ -293,6 +293,13 @@ def test_a_summary_of_one_seed_keeps_its_figures_and_a_result_without_domains_ha
     other["per_depth"] = {"top1": [0.7, 0.3], "top4": [0.9]}
     summary = summarize([plain, other])["all"]
     assert summary["top1_per_depth"] == pytest.approx([0.6, 0.3]) and "top4_per_depth" not in summary
+    one["per_depth"] = {"top1": [0.5], "top4": [0.7], "top8": [0.8], "accepted": [0.4]}
+    assert [(key, value) for key, value in summarize([one])["all"].items() if key.endswith("_per_depth")] == [
+        ("top1_per_depth", [0.5]),
+        ("top4_per_depth", [0.7]),
+        ("top8_per_depth", [0.8]),
+        ("accepted_per_depth", [0.4]),
+    ]
 
 
 def test_a_pairing_over_one_common_seed_and_a_rank_correlation_of_two_distinct_values():
