@@ -15,7 +15,7 @@ from app.generate import attention
 from app.generate.build import batch_decoder, greedy_decoder
 from app.generate.decoder import STOP_CHECK_EVERY, BatchDecoder, GenerateDecoder
 from app.generate.step import DecodeShape, RingStep
-from tests.test_speculative import greedy_reference, random_target_config, target_and_drafter
+from tests.test_speculative import HYBRID_LINEAR, greedy_reference, random_target_config, target_and_drafter
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 11], [8], list(range(60, 77)), [200, 201, 202]]
 MORE = [
@@ -118,13 +118,7 @@ def test_sampling_follows_its_seed(target):
 
 
 def test_a_hybrid_target_decodes_through_generate_with_the_same_answers():
-    linear = {
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-    }
-    hybrid = target_and_drafter(random_target_config("qwen3_5_text", **linear))[0]
+    hybrid = target_and_drafter(random_target_config("qwen3_5_text", **HYBRID_LINEAR))[0]
     decoder = greedy_decoder(hybrid.model, DecodeShape(rows=2, max_prompt_tokens=20, max_new_tokens=6), [])
     assert isinstance(decoder, GenerateDecoder)
     prompts = PROMPTS[:1] + PROMPTS[3:]  # equal-length-ish prompts: padding in a linear-attention layer

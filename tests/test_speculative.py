@@ -76,6 +76,15 @@ def answers_batch(sequences: list[tuple[list[int], list[int]]], first_index: int
     return TargetBatch(input_ids, attention_mask, loss_mask, indices)
 
 
+HYBRID_LINEAR = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+"""The linear-attention sizes of the small hybrid (Gated DeltaNet + attention) target these tests use."""
+
+
 def target_and_drafter(raw: dict, seed: int = 0) -> tuple[TargetModel, DFlashDrafter]:
     config = validate_config(raw)
     target = load_target(config, "cpu")
@@ -177,13 +186,7 @@ def test_generation_stops_after_the_first_end_of_sequence_token(random_qwen3) ->
 
 
 def test_hybrid_linear_attention_target_recomputes_and_stays_lossless() -> None:
-    linear = {
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-    }
-    target, drafter = target_and_drafter(random_target_config("qwen3_5_text", **linear))
+    target, drafter = target_and_drafter(random_target_config("qwen3_5_text", **HYBRID_LINEAR))
     prompt = list(range(20, 32))
     reference = greedy_reference(target, prompt, 9, None)
     result = speculative_generate(

@@ -12,7 +12,7 @@ from app.generate.transformers_internals import (
     static_cache,
     wrap_write_position,
 )
-from tests.test_speculative import random_target_config, target_and_drafter
+from tests.test_speculative import HYBRID_LINEAR, random_target_config, target_and_drafter
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +63,5 @@ def test_wrapping_the_write_position_moves_the_static_cache_s_next_write(target)
 
 
 def test_only_a_plain_attention_target_counts_as_a_plain_static_cache(target):
-    linear = {
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-    }
-    hybrid = target_and_drafter(random_target_config("qwen3_5_text", **linear))[0]
+    hybrid = target_and_drafter(random_target_config("qwen3_5_text", **HYBRID_LINEAR))[0]
     assert plain_attention_cache(target.model) and not plain_attention_cache(hybrid.model)
