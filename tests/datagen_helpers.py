@@ -82,6 +82,17 @@ def start_cli(config: Path) -> subprocess.Popen[str]:
     )
 
 
+def kill_after_a_timed_shard(config: Path, output: Path, timeout_s: float) -> dict[str, bytes]:
+    """`dflash datagen CONFIG` killed with SIGKILL once its first shard is committed (by the timed flush,
+    when shards are larger than the run), still running; the shards it left, by name."""
+    run = start_cli(config)
+    wait_for(lambda: any(output.glob("part-*.parquet")), timeout_s, "a shard committed by the timer")
+    assert run.poll() is None, "the run finished before it could be killed"
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    return {shard.name: shard.read_bytes() for shard in output.glob("part-*.parquet")}
+
+
 def default_hangup() -> None:
     """A run started from a shell has SIGHUP at its default, also when the suite itself runs under
     nohup (which leaves it ignored, and an ignored SIGHUP rightly stays ignored by the run)."""

@@ -8,7 +8,6 @@ a small real HTTP server on loopback.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from tests.datagen_helpers import (
     DFLASH,
     FAST,
     REPO,
+    kill_after_a_timed_shard,
     make_config,
     output_rows,
     quiet_console,
@@ -161,13 +161,7 @@ def test_a_killed_run_kept_what_waited_flush_interval_s_and_its_rerun_owes_exact
             **FAST,
         },
     )
-    first = start_cli(config)
-    wait_for(lambda: any(output.glob("part-*.parquet")), 120, "a shard committed by the timer")
-    assert first.poll() is None, "the run finished before it could be killed"
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-
-    kept = {shard.name: shard.read_bytes() for shard in output.glob("part-*.parquet")}
+    kept = kill_after_a_timed_shard(config, output, 120)
     kept_ids = [row["id"] for row in output_rows(output)]
     assert len(kept_ids) == len(set(kept_ids)) >= 1 and records[-1].id not in kept_ids
     assert [entry["id"] for entry in rejects(output)] == [records[-1].id]  # carried while still owed

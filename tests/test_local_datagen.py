@@ -18,7 +18,11 @@ from app.errors import UserError
 from app.model.target import load_target
 from app.model.tiny_lm import chat_sample
 from app.model.tiny_tokenizer import corpus_paragraphs
-from tests.datagen_helpers import quiet_console, start_cli, wait_for, write_run_config
+from tests.datagen_helpers import (
+    kill_after_a_timed_shard,
+    quiet_console,
+    write_run_config,
+)
 from tests.helpers import dflash
 from tests.test_speculative import greedy_reference
 
@@ -119,7 +123,6 @@ def test_a_stop_signal_commits_the_answers_that_ended_and_the_rerun_answers_the_
     """SIGTERM after the second answer (4 rows in flight, 6 prompts): the run ends with 2 records
     written, the 4 prompts in flight are not; the rerun answers exactly those, the same as one run."""
     import os
-    import signal
 
     from app.datagen.run import RegenerationRun
 
@@ -159,13 +162,7 @@ def test_a_killed_run_kept_what_waited_flush_interval_s_and_its_rerun_owes_exact
     run_config = write_run_config(
         tmp_path / "run.toml", {**datagen, "local_rows": 1, "shard_size": 1000, "flush_interval_s": 0.5}
     )
-    first = start_cli(run_config)
-    wait_for(lambda: any(output.glob("part-*.parquet")), 180, "a shard committed by the timer")
-    assert first.poll() is None, "the run finished before it could be killed"
-    first.send_signal(signal.SIGKILL)
-    first.wait()
-
-    kept = {shard.name: shard.read_bytes() for shard in output.glob("part-*.parquet")}
+    kept = kill_after_a_timed_shard(run_config, output, 180)
     kept_ids = [row["id"] for row in rows(output)]
     assert len(kept_ids) == len(set(kept_ids)) >= 1 and "p9" not in kept_ids
     assert {entry["id"] for entry in map(json.loads, (output / ".datagen" / "rejects.jsonl").open())} == {
