@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from app.config import load_config, validate_config
 from app.config.toml_text import config_toml
+from tests.helpers import ROOT
 
-BASE = load_config("configs/tiny.toml")
+TINY = ROOT / "configs" / "tiny.toml"
+BASE = load_config(TINY)
 names = st.text(min_size=1, max_size=40)  # any code point but a surrogate: emoji, DEL, NUL, quotes
 paths = st.lists(st.text(min_size=1, max_size=20), min_size=1, max_size=3)
 
@@ -39,11 +41,9 @@ typed = names.filter(lambda text: text == text.strip() and text[0] not in "\"'")
 @settings(max_examples=150, deadline=None)
 @given(run_name=typed)
 def test_a_string_setting_s_override_is_its_text(run_name: str) -> None:
-    assert load_config("configs/tiny.toml", [f"telemetry.run_name={run_name}"]).telemetry.run_name == run_name
+    assert load_config(TINY, [f"telemetry.run_name={run_name}"]).telemetry.run_name == run_name
 
 
 def test_a_number_setting_still_reads_toml_and_a_literal_its_text() -> None:
-    config = load_config(
-        "configs/tiny.toml", ["train.lr=2e-4", "train.objective=ce+tv", "telemetry.run_name=12"]
-    )
+    config = load_config(TINY, ["train.lr=2e-4", "train.objective=ce+tv", "telemetry.run_name=12"])
     assert (config.train.lr, config.train.objective, config.telemetry.run_name) == (2e-4, "ce+tv", "12")

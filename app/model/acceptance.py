@@ -74,13 +74,13 @@ def tree_terms(
     return -prefix.sum() / blocks, tails * elasticity / blocks
 
 
-OBJECTIVE_TERMS: dict[str, SlotTerms | None] = {
-    "ce+tv": tv_terms,
-    "ce+acceptance": acceptance_terms,
-    "ce+tree": None,
+OBJECTIVE_TERMS: dict[str, Callable[[int], SlotTerms]] = {
+    "ce+tv": lambda tree_top_k: tv_terms,
+    "ce+acceptance": lambda tree_top_k: acceptance_terms,
+    "ce+tree": lambda tree_top_k: partial(tree_terms, top_k=tree_top_k),
 }
-"""`train.objective` -> its terms ("ce+tree": `tree_terms` at the tree's candidates per depth, known at
-`SlotObjective.build`); "ce" has none (the CE alone, the chunk's fast path)."""
+"""`train.objective` -> its terms, given the tree's candidates per depth (`train.eval_tree_top_k`, read
+by "ce+tree" alone); "ce" has none (the CE alone, the chunk's fast path)."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,7 @@ class SlotObjective:
             last = list(OBJECTIVE_TERMS)[-1]
             raise UserError(f"train.objective: must be one of {choices} or {last!r}, got {objective!r}")
         blocks = supervised[:, 0].sum().clamp_min(1).float()
-        terms = OBJECTIVE_TERMS[objective] or partial(tree_terms, top_k=tree_top_k)
-        return cls(terms, weight, supervised, blocks)
+        return cls(OBJECTIVE_TERMS[objective](tree_top_k), weight, supervised, blocks)
 
     def chunk(
         self, anchors: slice, row_ce: torch.Tensor, weights: torch.Tensor
