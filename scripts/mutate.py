@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,8 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".mutmut"
 TESTING_DOC = ROOT / "docs" / "testing.md"
 EQUIVALENTS_HEADING = "## Accepted equivalent mutants"
-# `mutmut results` statuses: a timeout or a crash is the tests noticing the mutant
-KILLED = {"killed", "timeout", "segfault"}
+# `mutmut results` statuses. A timeout is the tests noticing the mutant (a loop that no longer ends);
+# a child killed by a signal (mutmut calls SIGKILL and SIGSEGV "segfault") or ending oddly is not: the
+# machine ran out of memory or the process died, so it is shown apart and left out of the score.
+KILLED = {"killed", "timeout"}
+CRASHED = {"segfault", "suspicious"}
 ROW = re.compile(r"^\| `(?P<name>app\.[^`]+)` \| (?P<change>.+?) \| (?P<why>.+) \|$")
 
 
@@ -196,22 +201,52 @@ def check_equivalents(equivalents: list[Equivalent]) -> list[str]:
     return stale
 
 
+@dataclass(frozen=True)
+class Score:
+    """One module's verdicts: equivalent mutants and crashed ones are outside the score."""
+
+    mutants: int
+    killed: int
+    equivalent: int
+    crashed: list[str]
+    survivors: list[str]
+
+    @property
+    def percent(self) -> float:
+        scored = self.killed + len(self.survivors)
+        return 100 * self.killed / scored if scored else 100.0
+
+
+def score(statuses: dict[str, str], equivalent: set[str]) -> Score:
+    """The score of one module's mutants (name -> mutmut's status)."""
+    counted = {name: status for name, status in statuses.items() if name not in equivalent}
+    return Score(
+        mutants=len(statuses),
+        killed=sum(status in KILLED for status in counted.values()),
+        equivalent=len(statuses) - len(counted),
+        crashed=sorted((n for n, s in counted.items() if s in CRASHED), key=_numbered),
+        survivors=sorted((n for n, s in counted.items() if s not in KILLED | CRASHED), key=_numbered),
+    )
+
+
 def report(modules: list[str], statuses: dict[str, str], minutes: float) -> None:
     """Per module: the counts and the score over the non-equivalent mutants; then each survivor."""
     equivalent = {entry.name for entry in read_equivalents()}
     for module in modules:
         mine = {name: status for name, status in statuses.items() if name.rsplit(".", 1)[0] == module}
-        counts = Counter("killed" if status in KILLED else status for status in mine.values())
-        equal = {name for name in mine if name in equivalent}
-        survivors = sorted((n for n, s in mine.items() if s not in KILLED and n not in equal), key=_numbered)
-        scored = len(mine) - len(equal)
-        score = 100 * counts["killed"] / scored if scored else 100.0
-        print(
-            f"{module}: {len(mine)} mutants, {counts['killed']} killed, {len(equal)} equivalent, "
-            f"{len(survivors)} survived ({counts['no tests']} not reached by the tests): "
-            f"{score:.1f}% of the non-equivalent killed"
-        )
+        verdict = score(mine, equivalent)
+        survivors = verdict.survivors
         unreached = Counter(_numbered(name)[0] for name in survivors if mine[name] == "no tests")
+        print(
+            f"{module}: {verdict.mutants} mutants, {verdict.killed} killed, {verdict.equivalent} equivalent, "
+            f"{len(survivors)} survived ({sum(unreached.values())} not reached by the tests), "
+            f"{len(verdict.crashed)} crashed: {verdict.percent:.1f}% of the scored killed"
+        )
+        if verdict.crashed:
+            print(
+                f"  crashed (a signal or an odd exit, not a test noticing; not scored, rerun them): "
+                f"{', '.join(verdict.crashed)}"
+            )
         for function, count in sorted(unreached.items()):
             print(
                 f"  {function}: its {count} mutants are not reached by the tests (none calls it in-process)"
@@ -226,6 +261,25 @@ def report(modules: list[str], statuses: dict[str, str], minutes: float) -> None
 def _numbered(name: str) -> tuple[str, int]:
     function, _, number = name.rpartition("__mutmut_")
     return function, int(number)
+
+
+def run_as_group(command: list[str], cwd: Path) -> int:
+    """Run `command` in a process group of its own and wait for it. A stop (Ctrl-C, SIGTERM) kills the
+    whole group: mutmut's forked test runners otherwise outlive `just mutate` and keep the cores busy."""
+    process = subprocess.Popen(command, cwd=cwd, start_new_session=True)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        return process.wait()
+    except KeyboardInterrupt:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str]) -> int:
@@ -245,9 +299,9 @@ def main(argv: list[str]) -> int:
     print(f"mutate: {', '.join(modules)} against {' '.join(tests)}", flush=True)
     make_scratch_project(modules, tests)
     started = time.monotonic()
-    run = subprocess.run([mutmut_command(), "run", f"--max-children={args.jobs}"], cwd=WORK)
-    if run.returncode != 0:
-        print(f"mutate: mutmut run exited {run.returncode} (its output is above)", file=sys.stderr)
+    returncode = run_as_group([mutmut_command(), "run", f"--max-children={args.jobs}"], WORK)
+    if returncode != 0:
+        print(f"mutate: mutmut run exited {returncode} (its output is above)", file=sys.stderr)
         return 1
     report(modules, results(), (time.monotonic() - started) / 60)
     return 0
