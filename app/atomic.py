@@ -1,4 +1,7 @@
-"""Write files so that readers see the old content or the new one, never a partial file.
+"""Write files so that readers see the old content or the new one, never a partial file; and, where
+the write is durable, so that a power loss cannot undo it: the file is flushed before its rename and
+the directory holding the new name after it (a rename lives in its directory's data until that is
+flushed).
 
 Temp files and staging directories get the modes a plain `open`/`mkdir` would give under the
 process umask, not tempfile's private 0600/0700: exports, checkpoints and status files are read by
@@ -7,6 +10,7 @@ other users (a serving container, a teammate's `dflash status`), and a rename ke
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,13 +30,36 @@ def write_bytes_atomic(path: str | Path, data: bytes, *, durable: bool = True) -
         os.fchmod(fd, 0o666 & ~process_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-            if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(temp, path)
+        replace_file(temp, path, durable=durable)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
+
+
+def replace_file(temp: str | Path, path: str | Path, *, durable: bool = True) -> None:
+    """Rename the finished file `temp` over `path` (same directory); durable: `temp` flushed first and
+    the directory after, so that neither the content nor the rename can be lost to a power cut."""
+    if durable:
+        with open(temp, "rb") as handle:
+            os.fsync(handle.fileno())
+    os.replace(temp, path)
+    if durable:
+        fsync_directory(Path(path).parent)
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Flush a directory's entries (the renames and creations in it)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of a file's content, hex."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 TEMP_FILE = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
@@ -98,11 +125,7 @@ def fsync_tree(directory: str | Path) -> None:
         if file.is_file():
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_directory(directory)
 
 
 def replace_directory(staging: str | Path, target: str | Path) -> None:
@@ -114,6 +137,7 @@ def replace_directory(staging: str | Path, target: str | Path) -> None:
     _open_to_umask(staging)
     if not target.exists():
         os.rename(staging, target)
+        fsync_directory(target.parent)
         return
     retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
     os.rename(target, retired / target.name)
@@ -123,4 +147,22 @@ def replace_directory(staging: str | Path, target: str | Path) -> None:
         os.rename(retired / target.name, target)  # the old version goes back: never neither
         retired.rmdir()
         raise
+    fsync_directory(target.parent)
     shutil.rmtree(retired, ignore_errors=True)
+
+
+def publish_directory(staging: str | Path, target: str | Path) -> bool:
+    """Rename the finished `staging` directory to `target` unless a complete `target` is there already
+    (another process, say on another node sharing the directory, built it first: the first complete
+    build wins and `staging` is removed). True when this call published it."""
+    staging, target = Path(staging), Path(target)
+    _open_to_umask(staging)
+    try:
+        os.rename(staging, target)  # fails on a non-empty target: never replaces a finished build
+    except OSError:
+        if not target.is_dir():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
+    fsync_directory(target.parent)
+    return True

@@ -13,14 +13,47 @@ from app.errors import UserError
 def cache_root() -> Path:
     """The cache root; a UserError when it, or a directory above it, is a regular file (every later
     mkdir under it would fail with the OS's words, which do not say which setting is wrong)."""
-    variable = os.environ.get("DFLASH_CACHE")
-    root = Path(variable or Path.home() / ".cache" / "dflash").expanduser()
+    root = _configured_root()
     blocking = next((path for path in (root, *root.parents) if path.exists() and not path.is_dir()), None)
     if blocking is not None:
-        setting = f"DFLASH_CACHE={variable}" if variable else f"the cache root {root} (set DFLASH_CACHE)"
         where = "it" if blocking == root else str(blocking)
-        raise UserError(f"{setting}: {where} is a file, not a directory; point DFLASH_CACHE at a directory")
+        raise UserError(
+            f"{cache_setting()}: {where} is a file, not a directory; point DFLASH_CACHE at a directory"
+        )
     return root
+
+
+def _configured_root() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash").expanduser()
+
+
+def cache_setting() -> str:
+    """The setting that chose the cache root, as an error names it."""
+    variable = os.environ.get("DFLASH_CACHE")
+    return (
+        f"DFLASH_CACHE={variable}" if variable else f"the cache root {_configured_root()} (set DFLASH_CACHE)"
+    )
+
+
+def make_cache_dir(directory: Path) -> Path:
+    """Create `directory` (under the cache root) and check it takes a file: on a read-only file system
+    or without permission, a UserError naming the setting, not the OS's traceback from deep inside."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UserError(
+            f"{cache_setting()}: cannot create or write {directory} ({error.strerror or error}); "
+            "point DFLASH_CACHE at a writable directory"
+        ) from None
+    return directory
+
+
+def writable_cache_root() -> Path:
+    """The cache root, created and checked writable (before anything heavy loads)."""
+    return make_cache_dir(cache_root())
 
 
 STORAGE_STATE_FILE = "storage.json"

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from app.config.schema import DatagenConfig
 from app.datagen.prompts import load_prompts
+from app.datagen.store import LOCK_FILE, STATE_DIR
 from tests.datagen_server import echo
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,8 +112,12 @@ def assert_complete(rows: list[dict[str, Any]], prompts: Path) -> None:
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file's content, but the lock's: it names whichever run took it last."""
+    lock = Path(STATE_DIR) / LOCK_FILE
     return {
-        str(path.relative_to(directory)): path.read_bytes() for path in directory.rglob("*") if path.is_file()
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in directory.rglob("*")
+        if path.is_file() and path.relative_to(directory) != lock
     }
 
 

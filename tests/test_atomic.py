@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -10,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from app.atomic import replace_directory, staging_directory, write_json_atomic
+from app.atomic import (
+    file_sha256,
+    publish_directory,
+    replace_directory,
+    staging_directory,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 
 def staged(tmp_path: Path, content: str) -> Path:
@@ -65,3 +73,44 @@ def test_atomic_files_and_staged_directories_get_the_modes_the_umask_gives(
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "status.json").stat().st_mode) == 0o666 & ~umask
     assert stat.S_IMODE((tmp_path / "checkpoint").stat().st_mode) == 0o777 & ~umask
+
+
+def test_a_durable_write_flushes_the_file_before_its_rename_and_the_directory_after(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A rename lives in its directory's data: unflushed, a power cut can undo it."""
+    flushed: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    write_bytes_atomic(tmp_path / "file", b"new")
+    assert len(flushed) == 2 and Path(flushed[0]).name.startswith(".file.")  # the temp file first
+    assert flushed[1] == str(tmp_path)
+    flushed.clear()
+    write_bytes_atomic(tmp_path / "cache", b"may be lost", durable=False)
+    assert flushed == []
+    for swap in (replace_directory, replace_directory, publish_directory):
+        flushed.clear()
+        swap(staged(tmp_path, f"v{len(list(tmp_path.iterdir()))}"), tmp_path / f"out-{swap.__name__}")
+        assert flushed == [str(tmp_path)]
+
+
+def test_the_first_complete_build_is_published_and_a_later_one_is_discarded(tmp_path: Path) -> None:
+    target = tmp_path / "out"
+    assert publish_directory(staged(tmp_path, "first"), target) is True
+    second = staged(tmp_path, "second")
+    assert publish_directory(second, target) is False
+    assert (target / "file.txt").read_text() == "first" and not second.exists()
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(NotADirectoryError):  # not a finished build in the way: the OS's error stands
+        publish_directory(staged(tmp_path, "third"), tmp_path / "a file")
+
+
+def test_file_sha256_is_the_digest_of_the_whole_content(tmp_path: Path) -> None:
+    data = os.urandom(3 << 20)  # several reads' worth
+    (tmp_path / "blob").write_bytes(data)
+    assert file_sha256(tmp_path / "blob") == hashlib.sha256(data).hexdigest()

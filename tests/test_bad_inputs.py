@@ -221,6 +221,26 @@ def test_a_read_only_output_directory_is_refused_before_torch_loads(tmp_path: Pa
         )
 
 
+def test_an_unwritable_cache_is_refused_before_torch_loads(tmp_path: Path) -> None:
+    why = "Operation not permitted" if os.geteuid() == 0 else "Permission denied"
+    run = f"train.output_dir={tmp_path / 'run'}"
+    with unwritable_directory(tmp_path / "read-only") as read_only:
+        cache = read_only / "cache"
+        refused_before_torch(
+            tmp_path,
+            ["train", "configs/tiny.toml", run],
+            {"DFLASH_CACHE": str(cache)},
+            f"DFLASH_CACHE={cache}: cannot create or write {cache} ({why}); point DFLASH_CACHE at a "
+            "writable directory",
+        )
+        refused_before_torch(
+            tmp_path,
+            ["train", "configs/tiny.toml", run, f"data.cache_dir={read_only / 'tokenized'}"],
+            {},
+            f"data.cache_dir = {read_only / 'tokenized'}: cannot create or write files there ({why})",
+        )
+
+
 def refused_before_torch(tmp_path: Path, args: list[str], env: dict[str, str], message: str) -> None:
     """`dflash ARGS` with `env` added exits 2 with `message` as its one line, before torch loads,
     writing nothing under `tmp_path`."""

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.config.schema import DataConfig, RunConfig
-from app.data.dataset import load_tokenized, load_training_data, split_holdout
+from app.data.dataset import LOCK_FILE, load_tokenized, load_training_data, split_holdout
 from app.data.formats import MalformedRecord, detect_format, normalize_record
 from app.errors import UserError
 from tests.helpers import unwritable_directory
@@ -329,6 +329,11 @@ def test_too_short_conversations_are_dropped_and_counted(tmp_path, tiny_tokenize
     assert all(mask.sum() >= 16 for _, mask in loaded.fetch(range(len(loaded))))
 
 
+def cache_entries(cache: Path) -> list[Path]:
+    """What a tokenized cache root holds besides its lock file (which names the last builder)."""
+    return [path for path in cache.iterdir() if path.name != LOCK_FILE]
+
+
 def test_nothing_left_after_filtering_is_a_user_error_with_counts(tmp_path, tiny_tokenizer):
     short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes."}]}
     path = write_jsonl(tmp_path / "data.jsonl", [short, {"messages": [USER]}, short])
@@ -338,7 +343,7 @@ def test_nothing_left_after_filtering_is_a_user_error_with_counts(tmp_path, tiny
         f"no trainable conversations in {path}: 3 records read, 1 malformed, 2 with fewer than 16 "
         f"supervised tokens; e.g. {path} line 2: no assistant turn"
     )
-    assert list((tmp_path / "cache").iterdir()) == [], "a failed build leaves nothing behind"
+    assert cache_entries(tmp_path / "cache") == [], "a failed build leaves nothing behind"
 
 
 def test_a_killed_tokenization_is_cleaned_up_by_the_next_one(tmp_path, tiny_tokenizer):
@@ -461,7 +466,7 @@ def test_bytes_that_are_not_utf8_are_refused_naming_the_line(tmp_path, tiny_toke
     expected = rf"{re.escape(str(path))}: line 3 is not UTF-8: byte {at + 1} of the line is b'\\xff' \(invalid start byte\); save the file as UTF-8"  # fmt: skip
     with pytest.raises(UserError, match=rf"^{expected}$"):
         load([str(path)], tmp_path, tiny_tokenizer)
-    assert list((tmp_path / "cache").iterdir()) == []  # nothing half-built is left behind
+    assert cache_entries(tmp_path / "cache") == []  # nothing half-built is left behind
 
 
 def test_an_unwritable_tokenized_cache_is_one_line_naming_the_setting(tmp_path, tiny_tokenizer) -> None:

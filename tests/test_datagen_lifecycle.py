@@ -9,6 +9,7 @@ import pty
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -230,7 +231,11 @@ def test_one_run_per_output_dir(tmp_path: Path) -> None:
     holder = ShardStore(tmp_path / "out")
     holder.open()
     try:
-        with pytest.raises(OutputDirBusy, match="being written by another dflash datagen run"):
+        # the holder is named: here this very process, from a second store of the same directory
+        expected = (
+            f"being written by another dflash datagen run (pid {os.getpid()} on {socket.gethostname()} ("
+        )
+        with pytest.raises(OutputDirBusy, match=re.escape(expected)):
             ShardStore(tmp_path / "out").open()
     finally:
         holder.close()

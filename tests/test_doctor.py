@@ -445,3 +445,37 @@ def test_loading_the_doctor_does_not_import_torch() -> None:
     probe = "import sys, app.cli.doctor_cmd, app.env; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_kernel_package_that_sets_torchs_cache_variable_on_import_leaves_the_environment_as_it_was(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    import torch
+
+    # A stand-in `fla` doing what flash-linear-attention's import does: asking torch for its inductor
+    # cache dir (torch's own function, from its file), which writes torch's /tmp default into the
+    # environment when the variable is unset.
+    source = Path(torch.__file__).parent / "_inductor" / "runtime" / "cache_dir_utils.py"
+    package = tmp_path / "site" / "fla"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('fla_torch_cache_dir_utils', {str(source)!r})\n"
+        "rule = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(rule)\n"
+        "rule.cache_dir()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert "fla" not in sys.modules
+    request.addfinalizer(lambda: sys.modules.pop("fla", None))  # later tests must not find the stand-in
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("DFLASH_PROBE_KEPT", "yes")
+
+    found = collect_fingerprint(search_path=[str(tmp_path)])
+
+    assert found["fast_kernels"]["fla"]["present"] is True  # the stand-in was imported
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert os.environ["DFLASH_PROBE_KEPT"] == "yes"
+    assert found["compile_cache"]["inductor_dir_from"] == "torch default"
+    warnings = [finding.message for finding in assess(found) if finding.level == "warning"]
+    assert not [message for message in warnings if message.startswith("TORCHINDUCTOR_CACHE_DIR")]

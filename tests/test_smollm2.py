@@ -288,7 +288,7 @@ def test_the_target_converts_once_and_a_warm_start_reads_nothing(packaged_tiny, 
         raise AssertionError("a warm start must neither hash the GGUF nor convert it")
 
     monkeypatch.setattr(smollm2, "convert_gguf", refuse)
-    monkeypatch.setattr(smollm2, "_sha256", refuse)
+    monkeypatch.setattr(smollm2, "file_sha256", refuse)
     assert smollm2.ensure_smollm2(packaged_tiny, progress=said.append) == directory
     assert len(said) == 2 and (directory / "model.safetensors").stat().st_mtime_ns == modified
 

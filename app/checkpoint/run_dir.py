@@ -75,7 +75,7 @@ def removed_if_left_empty(run_dir: str | Path) -> Iterator[None]:
         raise
 
 
-def require_writable(run_dir: str | Path, *, keep: bool) -> None:
+def require_writable(run_dir: str | Path, *, keep: bool, setting: str = "train.output_dir") -> None:
     """Create `run_dir` if needed and write a probe file there the way checkpoint files are written
     (temp file, fsync, rename), then remove it; the OS's refusal becomes a UserError naming the setting
     and why (a file in the way, a symlink that does not resolve, a read-only file system). `keep=False`
@@ -91,7 +91,7 @@ def require_writable(run_dir: str | Path, *, keep: bool) -> None:
         write_bytes_atomic(probe, b"")
         probe.unlink()
     except OSError as error:
-        raise UserError(f"train.output_dir = {run_dir}: {_why_unwritable(run_dir, error)}") from None
+        raise UserError(f"{setting} = {run_dir}: {_why_unwritable(run_dir, error)}") from None
     finally:
         if not keep:
             for path in created:  # deepest first

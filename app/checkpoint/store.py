@@ -18,7 +18,6 @@ or corrupt checkpoint is skipped with a warning and the previous good one is use
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.atomic import (
+    file_sha256,
     fsync_tree,
     remove_abandoned_temp_files,
     replace_directory,
@@ -102,7 +102,9 @@ def save_checkpoint(
         with open(staging / "rng.pt", "wb") as handle:
             torch.save(rng_state, handle)
         (staging / "state.json").write_text(json.dumps({**state, "step": step}, indent=2, sort_keys=True))
-        files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in sorted(staging.iterdir())}
+        files = {
+            p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in sorted(staging.iterdir())
+        }
         write_json_atomic(staging / MANIFEST, {"step": step, "files": files})
         fsync_tree(staging)
         replace_directory(staging, final)  # a rerun of the same step (resumed, then stopped at once)
@@ -202,7 +204,7 @@ def verify_checkpoint(path: Path, checksums: bool = True) -> str | None:
                 return f"{name} is missing"
             if file.stat().st_size != expected["bytes"]:
                 return f"{name} is truncated ({file.stat().st_size} of {expected['bytes']} bytes)"
-            if checksums and _sha256(file) != expected["sha256"]:
+            if checksums and file_sha256(file) != expected["sha256"]:
                 return f"{name} fails its sha256 checksum"
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"unreadable manifest ({error})"
@@ -247,11 +249,3 @@ def check_training_signal(saved: dict[str, Any], current: dict[str, Any], source
                 f"{source}: cannot resume: training signal {field} changed from {saved.get(field)!r} to "
                 f"{current.get(field)!r}; start a new run (new train.output_dir) or restore the old value"
             )
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

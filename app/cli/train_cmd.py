@@ -40,7 +40,7 @@ def train(
     from app.data.identity import check_data_identity
     from app.data.sources import require_records
     from app.env.preflight import require_locked_stack
-    from app.paths import cache_root
+    from app.paths import writable_cache_root
     from app.pipeline.roles import require_launch_matching, torchrun_variables
 
     run_config = load_config(config, overrides or [])
@@ -53,7 +53,9 @@ def train(
     require_locked_stack(allow_drift=run_config.train.allow_environment_drift)
     torchrun_variables()
     require_launch_matching(run_config.topology)
-    cache_root()
+    writable_cache_root()
+    if run_config.data.cache_dir:
+        require_writable(run_config.data.cache_dir, keep=True, setting="data.cache_dir")
     if resume:
         require_run_to_resume(run_config.train.output_dir)
     else:

@@ -147,7 +147,8 @@ def shape_fields(config: RunConfig, arch: Any) -> KeyFields:
 
 def code_fields() -> KeyFields:
     """Hashes of the compiled model sources and of uv.lock (None where the lock is not found)."""
-    from app.env.project import find_project_root, sha256_of
+    from app.atomic import file_sha256
+    from app.env.project import find_project_root
 
     digest = hashlib.sha256()
     for module in COMPILED_SOURCES:
@@ -159,7 +160,7 @@ def code_fields() -> KeyFields:
     lock = root / "uv.lock" if root is not None else None
     return {
         "code.model_sources": digest.hexdigest()[:KEY_HASH_CHARS],
-        "code.uv_lock": sha256_of(lock)[:KEY_HASH_CHARS] if lock is not None and lock.is_file() else None,
+        "code.uv_lock": file_sha256(lock)[:KEY_HASH_CHARS] if lock is not None and lock.is_file() else None,
     }
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import fcntl
 import functools
 import gzip
 import hashlib
@@ -36,7 +35,7 @@ import pyarrow.parquet as pq
 from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
-from app.atomic import staging_directory
+from app.atomic import publish_directory, staging_directory
 from app.config.schema import DataConfig, RunConfig
 from app.data.formats import (
     Conversation,
@@ -51,6 +50,7 @@ from app.data.sources import Source, resolve_sources, source_members
 from app.data.textfiles import open_binary, require_utf8
 from app.data.tokenize import ChatTokenizer, TokenizedSample
 from app.errors import UserError
+from app.locks import held
 from app.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ MAX_EXAMPLES = 5
 """Malformed-record reasons kept in the summary (the counts are always complete)."""
 
 SUMMARY_FILE = "summary.json"
+LOCK_FILE = ".lock"
+"""In the cache root: held by the one process tokenizing into it."""
 JSON_LINE_COLUMN = "_json_line"
 """Raw-text column used when a json file has lines that are not valid JSON."""
 
@@ -209,12 +211,7 @@ def load_tokenized(
     final = root / key
     if (final / SUMMARY_FILE).is_file():
         return _cache_hit(final)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        handle = os.open(root, os.O_RDONLY)
-    except OSError as error:
-        raise _unwritable_cache(root, data, error) from None
-    with _building_in(handle, root):
+    with _building_in(root, data):
         # The lock holder is the only builder here, so a staging directory of this key is a killed
         # build's; and a process that waited for another one's build of this key reads it.
         if (final / SUMMARY_FILE).is_file():
@@ -232,14 +229,27 @@ def load_tokenized(
             rows.save_to_disk(str(build / "dataset"))
             (build / SUMMARY_FILE).write_text(json.dumps(asdict(summary), indent=1))
             shutil.rmtree(build / "work")
-            try:
-                os.rename(build, final)
-            except OSError:  # a host without a shared lock (another node, same cache_dir) came first
+            if not publish_directory(build, final):  # a host not sharing the lock finished first
                 log.info("tokenized data: another process finished %s first; using it", final)
         finally:
             shutil.rmtree(build, ignore_errors=True)
     log.info("tokenized data: %d of %d records kept, cached at %s", summary.kept, summary.records, final)
     return TokenizedDataset(datasets.load_from_disk(str(final / "dataset")), summary)
+
+
+@contextlib.contextmanager
+def _building_in(root: Path, data: DataConfig) -> Iterator[None]:
+    """Hold the cache root's lock, so that one process tokenizes into it at a time; a root that cannot
+    be made or written is the setting's one line."""
+    with contextlib.ExitStack() as holding:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            holding.enter_context(
+                held(root / LOCK_FILE, waiting=lambda waited: log.warning("tokenized data: %s", waited))
+            )
+        except OSError as error:
+            raise _unwritable_cache(root, data, error) from None
+        yield
 
 
 def _unwritable_cache(root: Path, data: DataConfig, error: OSError) -> UserError:
@@ -250,21 +260,6 @@ def _unwritable_cache(root: Path, data: DataConfig, error: OSError) -> UserError
         f"{setting}: cannot create or write the tokenized cache {root} ({error.strerror or error}); point "
         f"{'data.cache_dir' if data.cache_dir else 'DFLASH_CACHE'} at a writable directory"
     )
-
-
-@contextlib.contextmanager
-def _building_in(handle: int, root: Path) -> Iterator[None]:
-    """Hold the cache directory's lock (flock on the directory itself, opened as `handle`: nothing is
-    left behind), so one process tokenizes into it at a time."""
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.warning("tokenized data: waiting for another process tokenizing into %s", root)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(handle)  # releases the lock
 
 
 def _cache_hit(final: Path) -> TokenizedDataset:

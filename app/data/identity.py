@@ -12,14 +12,13 @@ recorded digest (the tokenized cache trusts the same stat); any other is read an
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.atomic import write_json_atomic
+from app.atomic import file_sha256, write_json_atomic
 from app.config import RunConfig
 from app.data.sources import resolve_sources, source_members
 from app.errors import UserError
@@ -120,7 +119,6 @@ def _read(run_dir: Path) -> dict[str, Any]:
 
 def _sha256(path: Path) -> str:
     try:
-        with path.open("rb") as handle:
-            return hashlib.file_digest(handle, "sha256").hexdigest()
+        return file_sha256(path)
     except OSError as error:
         raise UserError(f"{path}: cannot read the data file ({error.strerror or error})") from None

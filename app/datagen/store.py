@@ -4,7 +4,7 @@ Layout:
     OUTPUT_DIR/part-000000.parquet ...   completed records only, each shard written atomically
     OUTPUT_DIR/.datagen/rejects.jsonl    the records that failed, with reasons (rewritten atomically)
     OUTPUT_DIR/.datagen/manifest.json    model and sampling settings every shard was made with
-    OUTPUT_DIR/.datagen/lock             held (flock) while a run writes here
+    OUTPUT_DIR/.datagen/lock             held while a run writes here (app.locks: names its holder)
 
 The committed shards are the resume state: a record is done exactly when its id is in one, so a
 run killed at any point loses only work not yet in a shard and never writes a record twice. The
@@ -13,20 +13,22 @@ state lives in a hidden folder so that loading the directory with `datasets` see
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from app.atomic import write_bytes_atomic
+from app.atomic import replace_file, write_bytes_atomic
 from app.errors import UserError
+from app.locks import LockBusy, held
 
 SHARD_GLOB = "part-*.parquet"
 STATE_DIR = ".datagen"
+LOCK_FILE = "lock"
+"""In STATE_DIR: held while a run writes the directory, naming the run that holds it."""
 
 MESSAGE_TYPE = pa.struct(
     [("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())]
@@ -66,7 +68,7 @@ class ShardStore:
         self.completed_ids: set[str] = set()
         self.previous_rejects: dict[str, dict[str, Any]] = {}
         self._next_index = 0
-        self._lock_file: Any = None
+        self._held = contextlib.ExitStack()  # the lock, from open to close
 
     def open(self) -> None:
         """Take the lock, clear temp files of a killed run, and read committed ids and rejects."""
@@ -74,14 +76,12 @@ class ShardStore:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise UserError(f"datagen.output_dir: cannot create {self.state_dir} ({error})") from None
-        self._lock_file = (self.state_dir / "lock").open("a+")
         try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            self._lock_file = None
+            self._held.enter_context(held(self.state_dir / LOCK_FILE, wait_s=0))
+        except LockBusy as busy:
             raise OutputDirBusy(
-                f"datagen.output_dir: {self.output_dir} is being written by another dflash datagen run"
+                f"datagen.output_dir: {self.output_dir} is being written by another dflash datagen run "
+                f"({busy.holder})"
             ) from None
         for leftover in [*self.output_dir.glob(".*.tmp"), *self.state_dir.glob(".*.tmp")]:
             leftover.unlink()
@@ -91,10 +91,7 @@ class ShardStore:
         self.previous_rejects = self._read_rejects()
 
     def close(self) -> None:
-        if self._lock_file is not None:
-            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-            self._lock_file.close()
-            self._lock_file = None
+        self._held.close()
 
     def check_settings(self, settings: dict[str, Any]) -> None:
         """Refuse settings other than those the committed records were made with; writes nothing."""
@@ -129,7 +126,7 @@ class ShardStore:
         temp = self.output_dir / f".{path.name}.tmp"
         table = pa.Table.from_pylist(rows, schema=SHARD_SCHEMA)
         pq.write_table(table, temp, compression="zstd")
-        _fsync_and_replace(temp, path)
+        replace_file(temp, path)
         self._next_index += 1
         self.completed_ids.update(row["id"] for row in rows)
         return path
@@ -170,9 +167,3 @@ def _shard_index(shard: Path) -> int:
     if not digits.isdigit():
         raise UserError(f"{shard}: unexpected shard name (expected part-NNNNNN.parquet); move it away")
     return int(digits)
-
-
-def _fsync_and_replace(temp: Path, path: Path) -> None:
-    with temp.open("rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temp, path)

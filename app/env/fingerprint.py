@@ -7,6 +7,7 @@ every start: no network, and every subprocess has a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import getpass
 import importlib
@@ -18,19 +19,19 @@ import re
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from app.atomic import write_json_atomic
+from app.atomic import file_sha256, write_json_atomic
 from app.env.compiler_flags import recorded_compiler_env
 from app.env.gpus import probe_gpus
 from app.env.integrity import CHECKED_PACKAGES, edited_files, startup_files
 from app.env.lock_closure import required_packages
 from app.env.origins import import_origins, site_packages
 from app.env.packages import installed_distributions, normalize_name, package_drift, read_lock, versions_in
-from app.env.project import code_hashes, find_project_root, git_revision, sha256_of
+from app.env.project import code_hashes, find_project_root, git_revision
 from app.errors import UserError
 
 SCHEMA_VERSION = 1
@@ -176,7 +177,7 @@ def _lock_section(root: Path | None) -> dict[str, Any]:
     lock_path = root / "uv.lock"
     if not lock_path.is_file():
         return {"path": str(lock_path), "sha256": None, "error": "uv.lock missing next to pyproject.toml"}
-    return {"path": str(lock_path), "sha256": sha256_of(lock_path), "error": None}
+    return {"path": str(lock_path), "sha256": file_sha256(lock_path), "error": None}
 
 
 def _packages_section(lock: dict[str, Any], search_path: list[str] | None) -> dict[str, Any]:
@@ -207,12 +208,30 @@ def _kernel_status(module: str, distribution: str) -> dict[str, Any]:
         return status
     # Import for real: a CUDA extension built against another torch is found but fails to load.
     try:
-        importlib.import_module(module)
+        with environment_kept():
+            importlib.import_module(module)
     except Exception as error:
         status["error"] = _one_line(error)
         return status
     status["present"] = True
     return status
+
+
+@contextlib.contextmanager
+def environment_kept() -> Iterator[None]:
+    """Undo what the block does to os.environ. A probe import must not change the environment it is
+    probing: flash-linear-attention's import asks torch for its inductor cache dir, which writes
+    torch's /tmp default into TORCHINDUCTOR_CACHE_DIR, and the fingerprint (and the run) then took
+    that for the user's setting."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
 
 
 def _compile_cache_section() -> dict[str, Any]:

