@@ -176,7 +176,7 @@ objectives = {}  # the objectives through the kernel and through the CPU's chunk
 for objective in ("ce+tv", "ce+acceptance"):
     for name, chunk in (("kernel", kernel.triton_ce_chunk), ("cpu", None)):
         hidden.grad = None
-        terms = SlotObjective.build(objective, 0.7, supervised)
+        terms = SlotObjective.build(objective, 0.7, supervised, tree_top_k=1)
         loss_, _ = chunked_lm_head_ce(hidden, lm_head, row_labels, row_weights * supervised, 3, chunk, terms)
         loss_.backward()
         objectives[f"{objective}-{name}"] = loss_.detach(), hidden.grad
@@ -450,7 +450,7 @@ def test_the_objective_fields_validate_and_are_listed(capsys, monkeypatch):
             validate_config({**raw, "train": bad})
         assert str(error.value) == f"<config>: {message}"
     with pytest.raises(UserError) as error:
-        SlotObjective.build("tv", 1.0, OBJECTIVE_SUPERVISED)  # drafter_loss called with no config
+        SlotObjective.build("tv", 1.0, OBJECTIVE_SUPERVISED, tree_top_k=1)  # drafter_loss called with no config
     assert (
         str(error.value)
         == "train.objective: must be one of 'ce', 'ce+tv', 'ce+acceptance' or 'ce+tree', got 'tv'"

@@ -90,3 +90,16 @@ def test_the_objective_builds_with_the_tree_s_candidates_per_depth() -> None:
     value, _ = objective.chunk(slice(0, 1), -p.log(), torch.ones(1, 3))
     coverage = 1 - 0.5**2
     torch.testing.assert_close(value, torch.tensor(-0.5 * (coverage + coverage**2 + coverage**3)))
+
+
+def test_the_chain_objective_averages_over_the_blocks_whose_first_slot_is_supervised() -> None:
+    """A block whose first slot has no label contributes no accepted draft, and is not counted either:
+    the normaliser is the blocks a round could start in, read from the first slot alone."""
+    supervised = torch.tensor([[True, False, False], [True, False, False], [False, True, True]])
+    objective = SlotObjective.build("ce+acceptance", 1.0, supervised, tree_top_k=1)
+    assert objective is not None
+    p = torch.full((3, 3), 0.5)
+    value, c = objective.chunk(slice(0, 3), -p.log(), torch.ones(3, 3))
+    # two blocks with P_1 = 0.5 and nothing after their unsupervised second slot; the third never starts
+    torch.testing.assert_close(value, torch.tensor(-(0.5 + 0.5) / 2))
+    torch.testing.assert_close(c[:, 0], torch.tensor([0.25, 0.25, 0.0]))

@@ -97,7 +97,7 @@ class SlotObjective:
 
     @classmethod
     def build(
-        cls, objective: str, weight: float, supervised: torch.Tensor, tree_top_k: int = 1
+        cls, objective: str, weight: float, supervised: torch.Tensor, *, tree_top_k: int
     ) -> SlotObjective | None:
         """`train.objective`'s objective over the batch's `supervised [A, B-1]` ("ce+tree": for a tree of
         `tree_top_k` candidates per depth); None for "ce", so the CE chunk runs as it always did (its

@@ -135,7 +135,7 @@ def drafter_loss(
     labels, supervised = block_labels(row, block_size)
     weights = supervised * slot_weights(block_size, gamma or default_gamma(block_size), hidden.device)
     weights = weights / weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
-    slot_objective = SlotObjective.build(objective, objective_weight, supervised, tree_top_k)
+    slot_objective = SlotObjective.build(objective, objective_weight, supervised, tree_top_k=tree_top_k)
     soft = SoftLabels.of(batch, block_size, soft_targets) if soft_targets > 0 else None
     loss, predictions = chunked_lm_head_ce(
         hidden[:, 1:], lm_head, labels, weights, chunk_size, ce_chunk, slot_objective, soft
