@@ -194,6 +194,13 @@ def test_precheck_reads_the_signal_of_the_checkpoint_a_resume_starts_from(
     assert str(refused.value).startswith(
         f"{changed}: cannot resume: training signal drafter.num_layers changed from 9 to "
     )
+    other = tmp_path / "other"  # the newest damaged, the one intact before it changed
+    config = config.model_copy(update={"train": config.train.model_copy(update={"output_dir": str(other)})})
+    write_checkpoint(other, 1, weights, {"signal": {**signal, "drafter.num_layers": 9}})
+    write_checkpoint(other, 2, weights, {"signal": signal})
+    (checkpoint_root(other) / "step_00000002" / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"step_00000001: cannot resume: training signal drafter\.num_layers"):
+        precheck_resume(config)
 
 
 def test_precheck_refuses_when_every_checkpoint_fails_naming_each_reason(
