@@ -39,16 +39,22 @@ def make_cache_dir(directory: Path) -> Path:
     """Create `directory` (under the cache root) and check it takes a file: on a read-only file system
     or without permission, a UserError naming the setting, not the OS's traceback from deep inside."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        create_writable(directory)
     except OSError as error:
         raise UserError(
             f"{cache_setting()}: cannot create or write {directory} ({error.strerror or error}); "
             "point DFLASH_CACHE at a writable directory"
         ) from None
     return directory
+
+
+def create_writable(directory: Path) -> None:
+    """Create `directory` and write and remove a probe file in it; the OS's error where either fails
+    (a read-only file system, no permission: the directory may exist and still refuse files)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def writable_cache_root() -> Path:

@@ -450,7 +450,9 @@ def test_the_objective_fields_validate_and_are_listed(capsys, monkeypatch):
             validate_config({**raw, "train": bad})
         assert str(error.value) == f"<config>: {message}"
     with pytest.raises(UserError) as error:
-        SlotObjective.build("tv", 1.0, OBJECTIVE_SUPERVISED, tree_top_k=1)  # drafter_loss called with no config
+        SlotObjective.build(
+            "tv", 1.0, OBJECTIVE_SUPERVISED, tree_top_k=1
+        )  # drafter_loss called with no config
     assert (
         str(error.value)
         == "train.objective: must be one of 'ce', 'ce+tv', 'ce+acceptance' or 'ce+tree', got 'tv'"

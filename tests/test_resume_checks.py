@@ -163,6 +163,12 @@ def tiny_run() -> Any:
     return load_config("configs/tiny.toml", [])
 
 
+def run_in(config: Any, output_dir: Path) -> Any:
+    return config.model_copy(
+        update={"train": config.train.model_copy(update={"output_dir": str(output_dir)})}
+    )
+
+
 def current_signal(config: Any) -> dict[str, Any]:
     from app.model.loading import load_tokenizer
     from app.model.target import resolve_layer_ids, target_text_config
@@ -176,9 +182,7 @@ def test_precheck_reads_the_signal_of_the_checkpoint_a_resume_starts_from(
     tmp_path: Path, tiny_run: Any, tiny_lm_dir: Path
 ) -> None:
     """The one `latest` names while it is intact, else the newest intact one."""
-    config = tiny_run.model_copy(
-        update={"train": tiny_run.train.model_copy(update={"output_dir": str(tmp_path)})}
-    )
+    config = run_in(tiny_run, tmp_path)
     signal = current_signal(config)
     precheck_resume(config)  # no checkpoint: nothing to refuse
     weights = {"model.safetensors": b"weights"}
@@ -195,7 +199,7 @@ def test_precheck_reads_the_signal_of_the_checkpoint_a_resume_starts_from(
         f"{changed}: cannot resume: training signal drafter.num_layers changed from 9 to "
     )
     other = tmp_path / "other"  # the newest damaged, the one intact before it changed
-    config = config.model_copy(update={"train": config.train.model_copy(update={"output_dir": str(other)})})
+    config = run_in(config, other)
     write_checkpoint(other, 1, weights, {"signal": {**signal, "drafter.num_layers": 9}})
     write_checkpoint(other, 2, weights, {"signal": signal})
     (checkpoint_root(other) / "step_00000002" / "model.safetensors").unlink()
@@ -206,9 +210,7 @@ def test_precheck_reads_the_signal_of_the_checkpoint_a_resume_starts_from(
 def test_precheck_refuses_when_every_checkpoint_fails_naming_each_reason(
     tmp_path: Path, tiny_run: Any, tiny_lm_dir: Path
 ) -> None:
-    config = tiny_run.model_copy(
-        update={"train": tiny_run.train.model_copy(update={"output_dir": str(tmp_path)})}
-    )
+    config = run_in(tiny_run, tmp_path)
     first = write_checkpoint(tmp_path, 1, {"model.safetensors": b"weights"}, {})
     (first / "model.safetensors").unlink()
     second = write_checkpoint(tmp_path, 2, {"model.safetensors": b"weights"}, {})

@@ -17,7 +17,7 @@ from pathlib import Path
 from app.config.schema import CompileConfig
 from app.env.fingerprint import is_under_tmp
 from app.errors import UserError
-from app.paths import cache_root
+from app.paths import cache_root, create_writable
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,7 @@ def use_compile_dirs(inductor_dir: Path, triton_dir: Path | None = None) -> Comp
         triton_dir = Path(from_env) if from_env and not is_under_tmp(from_env) else inductor_dir / "triton"
     for directory, what in ((inductor_dir, "inductor"), (triton_dir, "Triton")):
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            probe = directory / f".write-probe-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
+            create_writable(directory)
         except OSError as error:
             raise UserError(
                 f"compile.inductor_dir: the {what} cache directory {directory} is not writable by uid "
