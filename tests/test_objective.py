@@ -17,11 +17,9 @@ from app.config.schema import TrainConfig
 from app.data.batch import FeatureBatch, TargetBatch
 from app.data.formats import Conversation
 from app.data.packing import anchor_candidates, pack_row
-from app.data.synthetic import synthetic_row
 from app.data.tokenize import ChatTokenizer
 from app.errors import UserError
 from app.model.acceptance import SlotObjective
-from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import (
     TreeSample,
     block_labels,
@@ -34,41 +32,14 @@ from app.model.objective import (
     weighted_ce_chunk,
 )
 from tests.helpers import dflash
-
-VOCAB, HIDDEN, BLOCK = 257, 32, 5
-
-
-def make_row(seed, token_budget=128, anchors=12, valid=9):
-    generator = torch.Generator().manual_seed(seed)
-    return synthetic_row(
-        token_budget, anchors, VOCAB, num_documents=3, padding=7, valid_anchors=valid, generator=generator
-    )
+from tests.objective_helpers import BLOCK, HIDDEN, VOCAB, drafter_setup, make_row, reference_labels
 
 
-def reference_labels(row, block_size):
-    """Slot k of anchor a: the token at a + k, if it exists, is in a's document and is supervised."""
-    length = row.input_ids.shape[0]
-    labels, supervised = [], []
-    for anchor, valid in zip(row.anchor_positions.tolist(), row.anchor_valid.tolist(), strict=True):
-        block_labels_, block_supervised = [], []
-        for k in range(1, block_size):
-            target = anchor + k
-            ok = (
-                valid
-                and target < length
-                and row.document_ids[target] == row.document_ids[anchor]
-                and bool(row.loss_mask[target])
-            )
-            block_supervised.append(ok)
-            block_labels_.append(int(row.input_ids[target]) if ok else 0)
-        labels.append(block_labels_)
-        supervised.append(block_supervised)
-    return torch.tensor(labels), torch.tensor(supervised)
-
-
-def test_block_labels_follow_the_rule():
-    # anchors near the row's end and at document ends make every exclusion happen
-    row = make_row(0, anchors=40, valid=36)
+@pytest.mark.parametrize("padding", [0, 7])
+def test_block_labels_follow_the_rule(padding):
+    # anchors near the row's end and at document ends make every exclusion happen; without padding the
+    # last document runs to the row's end, where a block's slots fall off the row
+    row = make_row(0, anchors=40, valid=36, padding=padding)
     labels, supervised = block_labels(row, BLOCK)
     expected_labels, expected_supervised = reference_labels(row, BLOCK)
     assert torch.equal(supervised, expected_supervised)
@@ -256,33 +227,7 @@ def test_the_lm_head_must_be_frozen():
 
 @pytest.fixture(scope="module")
 def setup():
-    config = validate_config(
-        {
-            "target": {
-                "architecture": {
-                    "model_type": "qwen3",
-                    "vocab_size": VOCAB,
-                    "hidden_size": HIDDEN,
-                    "intermediate_size": 48,
-                    "num_hidden_layers": 6,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 1,
-                    "head_dim": 16,
-                }
-            },
-            "drafter": {"num_layers": 1, "block_size": BLOCK, "mask_token_id": 4, "target_layer_ids": [2]},
-            "data": {"token_budget": 128, "max_length": 64},
-            "train": {"anchors": 12},
-        }
-    )
-    drafter = DFlashDrafter(DrafterArch.from_config(config), seed=0)
-    generator = torch.Generator().manual_seed(3)
-    embed_tokens = nn.Embedding(VOCAB, HIDDEN).requires_grad_(False)
-    lm_head = nn.Linear(HIDDEN, VOCAB, bias=False).requires_grad_(False)
-    for module in (embed_tokens, lm_head):
-        module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
-    batch = FeatureBatch(row=make_row(1), features=torch.randn(128, HIDDEN, generator=generator))
-    return drafter, embed_tokens, lm_head, batch
+    return drafter_setup()
 
 
 def test_drafter_loss_is_the_decayed_block_ce(setup):
