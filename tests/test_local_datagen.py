@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,6 +21,7 @@ from app.model.target import load_target
 from app.model.tiny_lm import chat_sample
 from app.model.tiny_tokenizer import corpus_paragraphs
 from tests.datagen_helpers import (
+    REPO,
     kill_after_a_timed_shard,
     quiet_console,
     write_run_config,
@@ -261,3 +264,52 @@ def test_bench_decode_streams_the_config_s_prompts_and_profiles_its_step(tmp_pat
     # per step, as the stream's figure is: the same forward at the same rows, well within 3x of it
     assert 0 < float(alone[1]) < 3 * float(alone[2]), lines[-2]
     assert "8 decode steps" in lines[-1] and "aten::" in lines[-1]  # on a CPU: host operators by self time
+
+
+REFUSAL_BEFORE_TORCH = """
+import json, sys
+from app.config import validate_config
+from app.datagen.local import run_local_datagen
+from app.errors import UserError
+try:
+    run_local_datagen(validate_config(json.loads(sys.argv[1])))
+except UserError as error:
+    print(json.dumps({"refused": str(error), "torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("datagen", "refusal"),
+    [
+        ({"top_p": 0.5}, "datagen.top_p: the local engine samples from the whole distribution; set it to 1"),
+        ({"prompts_text": ""}, "datagen.prompts: no usable prompt records in"),
+    ],
+    ids=["top_p", "no-prompts"],
+)
+def test_the_refusal_comes_before_torch_loads(tmp_path, datagen, refusal):
+    """A bad input is one line at once, not after the seconds torch takes to load."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        datagen.pop("prompts_text", json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    )
+    run = {
+        "target": {"builtin": "tiny-lm"},
+        "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 5},
+        "datagen": {
+            "engine": "local",
+            "prompts": [str(prompts)],
+            "output_dir": str(tmp_path / "out"),
+            **datagen,
+        },
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", REFUSAL_BEFORE_TORCH, json.dumps(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["refused"].startswith(refusal)
+    assert result["torch"] is False

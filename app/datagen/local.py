@@ -45,8 +45,6 @@ class _Prompt:
 
 def run_local_datagen(config: RunConfig, console: Console | None = None) -> DatagenReport:
     """Regenerate `datagen.prompts` with `config.target` into `datagen.output_dir` (module docstring)."""
-    from app.model.loading import load_tokenizer  # heavy imports: after the cheap checks below
-
     console = console or Console(stderr=True, soft_wrap=True)  # a log line is never cut at 80 columns
     datagen = config.datagen
     if datagen.top_p < 1:
@@ -62,6 +60,8 @@ def run_local_datagen(config: RunConfig, console: Console | None = None) -> Data
         run.report.model = _model_name(config)
         settings = generation_settings(datagen, run.report.model)
         store.check_settings(settings)
+        from app.model.loading import load_tokenizer  # torch: only once the cheap checks have passed
+
         tokenizer = load_tokenizer(config)
         ready = _render(run, tokenizer, config)
         if not ready:
