@@ -133,6 +133,7 @@ class ScriptedServer:
         "empty"          200 with an empty message
         "errorbody"      200 with an `error` object (as some servers report OOM)
         "http500"        500, always
+        "templated500"   500 whose body echoes a chat template's `[INST] ... [/INST]` (rich markup syntax)
         "bad400"         400 with a detail
         "flaky"          503 for the first two requests of that text, then a normal answer
         "think"          `<think>why</think>answer` in the content
@@ -190,6 +191,8 @@ class ScriptedServer:
             return 200, _completion("")
         if last_user.startswith("errorbody"):
             return 200, json.dumps({"error": {"message": "CUDA out of memory"}}).encode()
+        if last_user.startswith("templated500"):
+            return 500, b"<s>[INST] templated500 [/INST] failed: [bold]out of memory[/bold]"
         if last_user.startswith("http500"):
             return 500, b"Internal Server Error"
         if last_user.startswith("bad400"):

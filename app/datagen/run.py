@@ -253,8 +253,9 @@ class RegenerationRun:
             self._advance(failed=True)
 
     def log(self, message: str) -> None:
-        """A `datagen: message` line (above the progress bar while it runs)."""
-        self.console.print(f"datagen: {message}", highlight=False)
+        """A `datagen: message` line (above the progress bar while it runs), its text as it is: a
+        server's error body is no rich markup (a chat template's `[/INST]` would stop the run)."""
+        self.console.print(f"datagen: {message}", highlight=False, markup=False)
 
     def stop(self, reason: str) -> bool:
         """Note a stop (a signal's name, "outage"); whether it is the first."""

@@ -89,7 +89,7 @@ class _Servers:
                 retry_backoff_s=self.config.retry_backoff_s,
                 probe_interval_s=self.config.probe_interval_s,
                 outage_timeout_s=self.config.outage_timeout_s,
-                log=lambda message: self.console.print(f"datagen: {message}", highlight=False),
+                log=run.log,
             )
             self.model = run.report.model = await self.pool.start(self.config.model)
             self.console.print(
