@@ -65,10 +65,12 @@ def test_a_store_not_yet_opened_holds_nothing_and_closes_harmlessly(tmp_path: Pa
 
 
 def test_an_existing_state_folder_is_reused(tmp_path: Path) -> None:
-    (tmp_path / "out" / ".datagen").mkdir(parents=True)
-    (tmp_path / "out" / ".datagen" / "lock").write_text("kept")
-    opened(tmp_path / "out").close()
-    assert (tmp_path / "out" / ".datagen" / "lock").read_text() == "kept"  # appended to, never truncated
+    state = tmp_path / "out" / ".datagen"
+    state.mkdir(parents=True)
+    (state / "rejects.jsonl").write_text(json.dumps({"id": "a", "reason": "kept"}) + "\n")
+    store = opened(tmp_path / "out")
+    store.close()
+    assert store.previous_rejects == {"a": {"id": "a", "reason": "kept"}}
 
 
 def test_an_output_dir_that_cannot_be_created_names_the_setting(tmp_path: Path) -> None:
@@ -83,7 +85,7 @@ def test_a_second_store_is_refused_and_the_refused_one_closes_cleanly(tmp_path: 
     with pytest.raises(
         OutputDirBusy,
         match=rf"^datagen\.output_dir: {re.escape(str(tmp_path / 'out'))} is being written by another "
-        r"dflash datagen run$",
+        rf"dflash datagen run \(pid {os.getpid()} on .+\)$",
     ):
         refused.open()
     refused.close()  # nothing held, nothing to release
