@@ -15,11 +15,13 @@ from app.config.schema import TrainConfig
 from app.data.batch import DrafterRow, FeatureBatch
 from app.errors import UserError
 from app.model.objective import (
+    SoftLabels,
     TreeSample,
     block_labels,
     block_metrics,
     chunked_lm_head_ce,
     drafter_loss,
+    feature_noise_std,
     noise_generator,
     slot_weights,
     soft_ce_chunk,
@@ -27,7 +29,7 @@ from app.model.objective import (
     tree_streak,
     weighted_ce_chunk,
 )
-from tests.objective_helpers import BLOCK, HIDDEN, VOCAB, drafter_setup, reference_labels
+from tests.objective_helpers import BLOCK, HIDDEN, VOCAB, drafter_setup, make_row, reference_labels
 
 CPU = torch.device("cpu")
 
@@ -287,3 +289,79 @@ def test_the_objective_s_defaults_are_weight_one_and_one_candidate(setup):
         ]
     assert torch.equal(tv[0], tv[1]) and not torch.equal(tv[0], tv[2])
     assert torch.equal(tree[0], tree[1]) and not torch.equal(tree[0], tree[2])
+
+
+def test_the_noise_is_drawn_in_the_features_dtype(setup):
+    """bf16 features get bf16 noise: the noisy features stay bf16 sums, as the generator draws them."""
+    drafter, embed_tokens, lm_head, batch = setup
+    features = batch.features.to(torch.bfloat16)
+    with torch.no_grad():
+        noisy = drafter_loss(
+            drafter, FeatureBatch(batch.row, features), embed_tokens, lm_head, chunk_size=5, noise_std=0.5,
+            generator=noise_generator(7, 3, 0, CPU),
+        )  # fmt: skip
+        draw = torch.randn(features.shape, generator=noise_generator(7, 3, 0, CPU), dtype=torch.bfloat16)
+        by_hand = FeatureBatch(batch.row, features + 0.5 * draw)
+        expected = drafter_loss(drafter, by_hand, embed_tokens, lm_head, chunk_size=5)
+    assert torch.equal(noisy.loss, expected.loss)
+
+
+def test_a_noise_decay_over_one_step_is_off_from_the_first_step():
+    decaying = TrainConfig(feature_noise_std=0.2, feature_noise_decay_steps=1)
+    assert [feature_noise_std(decaying, step) for step in (0, 1, 2)] == [0.2, 0.0, 0.0]
+
+
+def test_the_loss_chunks_128_anchors_by_default(setup):
+    """130 anchors: the default `chunk_size` runs the CE over 128 anchors, then 2 (rows of B-1 slots)."""
+    drafter, embed_tokens, lm_head, _ = setup
+    generator = torch.Generator().manual_seed(4)
+    row = make_row(2, token_budget=256, anchors=130, valid=130)
+    batch = FeatureBatch(row, torch.randn(256, HIDDEN, generator=generator))
+    rows = []
+
+    def spy(logits, labels, weights, row_ce=None):
+        rows.append(logits.shape[0])
+        return weighted_ce_chunk(logits, labels, weights, row_ce)
+
+    with torch.no_grad():
+        drafter_loss(drafter, batch, embed_tokens, lm_head, ce_chunk=spy)
+    assert rows == [128 * (BLOCK - 1), 2 * (BLOCK - 1)]
+
+
+def test_soft_targets_through_the_drafter_loss_are_the_mixed_label_ce(setup):
+    """`soft_targets` 0.4: each supervised slot's CE against 0.6 one-hot + 0.4 softmax of the LM head on
+    the target's final hidden state one position before the slot's token, decayed and normalised as the
+    hard CE; the batch's `target_hidden` is what it reads."""
+    drafter, embed_tokens, lm_head, batch = setup
+    generator = torch.Generator().manual_seed(6)
+    length = batch.row.input_ids.shape[0]
+    target_hidden = torch.randn(length, HIDDEN, generator=generator)
+    soft_batch = FeatureBatch(batch.row, batch.features, target_hidden=target_hidden)
+    with torch.no_grad():
+        output = drafter_loss(
+            drafter, soft_batch, embed_tokens, lm_head, gamma=3.0, chunk_size=5, soft_targets=0.4
+        )
+        logits = lm_head(drafter(batch.features, batch.row, embed_tokens)[:, 1:])
+    labels, supervised = reference_labels(batch.row, BLOCK)
+    before = (batch.row.anchor_positions[:, None] + torch.arange(BLOCK - 1)).clamp(max=length - 1)
+    mixed = 0.6 * F.one_hot(labels, VOCAB) + 0.4 * lm_head(target_hidden[before]).softmax(-1)
+    ce = F.cross_entropy(logits.reshape(-1, VOCAB), mixed.reshape(-1, VOCAB), reduction="none").view_as(
+        labels
+    )
+    weights = supervised * slot_weights(BLOCK, 3.0, "cpu")
+    torch.testing.assert_close(output.loss, (ce * weights).sum() / weights.sum())
+
+
+def test_soft_labels_under_a_bf16_head_read_fp32_target_states():
+    """The target's fp32 final hidden states go through the bf16 head in its dtype, as the drafter's do."""
+    generator = torch.Generator().manual_seed(2)
+    head = nn.Linear(HIDDEN, VOCAB).to(torch.bfloat16).requires_grad_(False)
+    hidden = torch.randn(3, BLOCK - 1, HIDDEN, generator=generator)
+    target = torch.randn(3, BLOCK - 1, HIDDEN, generator=generator)
+    labels = torch.randint(0, VOCAB, (3, BLOCK - 1), generator=generator)
+    weights = torch.ones(3, BLOCK - 1)
+    loss, _ = chunked_lm_head_ce(hidden, head, labels, weights, 2, soft=SoftLabels(target, 0.5))
+    logits = (hidden.to(torch.bfloat16) @ head.weight.t() + head.bias).float().reshape(-1, VOCAB)
+    target_logits = (target.to(torch.bfloat16) @ head.weight.t() + head.bias).float().reshape(-1, VOCAB)
+    mixed = 0.5 * F.one_hot(labels.reshape(-1), VOCAB) + 0.5 * target_logits.softmax(-1)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, mixed, reduction="sum"))
