@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,11 @@ def test_a_second_store_is_refused_and_the_refused_one_closes_cleanly(tmp_path: 
         match=rf"^datagen\.output_dir: {re.escape(str(tmp_path / 'out'))} is being written by another "
         rf"dflash datagen run \(pid {os.getpid()} on .+\)$",
     ):
-        refused.open()
+        started = time.monotonic()
+        try:
+            refused.open()
+        finally:
+            assert time.monotonic() - started < 0.5  # refused at once: a run never waits for another
     refused.close()  # nothing held, nothing to release
     holder.close()
     holder.close()  # a second close is harmless
