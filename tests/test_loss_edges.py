@@ -14,6 +14,7 @@ from torch import nn
 from app.config.schema import TrainConfig
 from app.data.batch import DrafterRow, FeatureBatch
 from app.errors import UserError
+from app.model.acceptance import SlotObjective
 from app.model.objective import (
     SoftLabels,
     TreeSample,
@@ -365,3 +366,27 @@ def test_soft_labels_under_a_bf16_head_read_fp32_target_states():
     target_logits = (target.to(torch.bfloat16) @ head.weight.t() + head.bias).float().reshape(-1, VOCAB)
     mixed = 0.5 * F.one_hot(labels.reshape(-1), VOCAB) + 0.5 * target_logits.softmax(-1)
     torch.testing.assert_close(loss, F.cross_entropy(logits, mixed, reduction="sum"))
+
+
+META = torch.device("meta")
+
+
+def test_the_loss_makes_every_tensor_on_its_inputs_device():
+    """On the meta device (shapes only; it stands for CUDA here): labels, slot weights, soft labels and
+    the chunked loss with each kind of chunk make their tensors where the inputs are, a tensor made on
+    the CPU instead fails there; so does the loss of an empty batch, which no chunk touches."""
+    row = make_row(0).to(META)
+    labels, supervised = block_labels(row, BLOCK)
+    weights = supervised * slot_weights(BLOCK, 2.0, META)
+    head = nn.Linear(HIDDEN, VOCAB, device=META).requires_grad_(False)
+    hidden = torch.empty(12, BLOCK - 1, HIDDEN, device=META, requires_grad=True)
+    target = torch.empty(128, HIDDEN, device=META)
+    soft = SoftLabels.of(FeatureBatch(row, torch.empty(128, HIDDEN, device=META), target), BLOCK, 0.3)
+    objective = SlotObjective.build("ce+tv", 0.5, supervised, tree_top_k=1)
+    devices = [labels.device, supervised.device, weights.device, soft.hidden.device]
+    for extra in ({}, {"objective": objective}, {"soft": soft}):
+        loss, predictions = chunked_lm_head_ce(hidden, head, labels, weights, 5, **extra)
+        loss.backward()
+        devices += [loss.device, predictions.device, hidden.grad.device]
+    empty, _ = chunked_lm_head_ce(hidden[:0], head, labels[:0], weights[:0], 5)
+    assert {*devices, empty.device} == {META}
