@@ -80,10 +80,6 @@ class DatagenProgress:
             self._last_line = now
             self.console.print(self._line(now))
 
-    def log(self, message: str) -> None:
-        """An event line printed above the bar (or plainly, in logs)."""
-        self.console.print(f"datagen: {message}", highlight=False)
-
     def _line(self, now: float) -> str:
         finished = self.done + self.failed
         elapsed = now - self._started
