@@ -15,7 +15,7 @@ from app.evaluate.replay import evaluate_replay, replay_prompt
 from app.evaluate.speculative import CachedTarget, speculative_generate
 from app.evaluate.tree import _masked_forward, tree_verification_inputs, verified_tree_decode
 from app.model.drafter import DFlashDrafter
-from app.model.tree import build_tree
+from app.model.tree import DraftTree, build_tree
 from tests.helpers import dflash
 from tests.test_speculative import greedy_reference, random_target_config, single_thread, target_and_drafter  # noqa: F401 (a fixture)
 from tests.test_target import ARCHITECTURES
@@ -300,3 +300,49 @@ def test_bench_tree_times_a_round_s_parts_per_budget_and_refuses_a_hybrid_target
         "dflash: error: bench tree: the target has linear-attention layers, which take no ancestor "
         "mask; time tree verification on an attention-only target"
     ]
+
+
+def test_the_verification_rows_see_the_context_the_root_and_their_ancestors_in_the_target_s_dtype():
+    """Nodes 0 and 2 hang under the root, node 1 under node 0; two tokens accepted before the root."""
+    tree = DraftTree(tokens=[11, 12, 13], parents=[-1, 0, -1], depths=[1, 2, 1])
+    bias, positions = tree_verification_inputs(tree, 2, torch.bfloat16, torch.device("cpu"))
+    visible = torch.tensor(
+        [
+            [1, 1, 1, 0, 0, 0],  # the root: the context and itself
+            [1, 1, 1, 1, 0, 0],  # node 0: and the root
+            [1, 1, 1, 1, 1, 0],  # node 1: the root and node 0
+            [1, 1, 1, 0, 0, 1],  # node 2: the root, not its sibling's branch
+        ],
+        dtype=torch.bool,
+    )
+    low = torch.finfo(torch.bfloat16).min
+    assert bias.dtype == torch.bfloat16
+    assert torch.equal(bias, torch.zeros(4, 6, dtype=torch.bfloat16).masked_fill(~visible, low))
+    assert positions.tolist() == [2, 3, 4, 3]  # past + depth
+
+
+def test_the_verification_forward_makes_every_tensor_on_the_target_s_device():
+    """On the meta device (shapes only, no data): a mask, bias or position made on the default device
+    instead of the target's would meet the target's tensors in one op and fail, as on a GPU."""
+    meta = torch.device("meta")
+    tree = DraftTree(tokens=[11, 12, 13], parents=[-1, 0, -1], depths=[1, 2, 1])
+    bias, positions = tree_verification_inputs(tree, 2, torch.float32, meta)
+    assert (bias.device, positions.device, tuple(bias.shape)) == (meta, meta, (4, 6))
+    target, _ = target_and_drafter(random_target_config())
+    target.model.to(meta)
+    accepted, block = torch.tensor(PROMPT, device=meta), torch.tensor([3, 11, 12, 13], device=meta)
+    logits, features = _masked_forward(target, accepted, tree, block)
+    assert (logits.device, tuple(logits.shape), tuple(features.shape)) == (meta, (4, 300), (4, 128))
+
+
+def test_a_bf16_target_verifies_a_tree_as_its_fp32_self():
+    """A GPU run's target is bf16: the context's bias is made in the target's dtype like the tree's
+    (attention takes one mask dtype)."""
+    target, _ = target_and_drafter(random_target_config())
+    tree = DraftTree(tokens=[11, 12, 13], parents=[-1, 0, -1], depths=[1, 2, 1])
+    accepted, block = torch.tensor(PROMPT), torch.tensor([3, 11, 12, 13])
+    reference, _ = _masked_forward(target, accepted, tree, block)
+    target.model.to(torch.bfloat16)
+    logits, features = _masked_forward(target, accepted, tree, block)
+    assert logits.dtype == features.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), reference, atol=0.05, rtol=0.05)
