@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from app.config.schema import TrainConfig
 from app.data.batch import DrafterRow, FeatureBatch
@@ -390,3 +392,38 @@ def test_the_loss_makes_every_tensor_on_its_inputs_device():
         devices += [loss.device, predictions.device, hidden.grad.device]
     empty, _ = chunked_lm_head_ce(hidden[:0], head, labels[:0], weights[:0], 5)
     assert {*devices, empty.device} == {META}
+
+
+def test_soft_targets_without_target_states_are_refused_by_name():
+    row = make_row(0)
+    with pytest.raises(ValueError) as error:
+        SoftLabels.of(FeatureBatch(row, torch.zeros(128, HIDDEN)), BLOCK, 0.5)
+    assert str(error.value) == "train.soft_targets: the batch carries no target final hidden states"
+
+
+class Shapes(TorchDispatchMode):
+    """Records the shape of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        return output
+
+
+def test_hidden_states_without_a_gradient_get_no_gradient_buffer():
+    """An evaluation's call (hidden states that need no gradient) makes no `[A, S, H]` buffer for one;
+    a training call makes exactly one."""
+    head = nn.Linear(HIDDEN, VOCAB).requires_grad_(False)
+    hidden = torch.randn(6, BLOCK - 1, HIDDEN, generator=torch.Generator().manual_seed(0))
+    labels, weights = torch.zeros(6, BLOCK - 1, dtype=torch.long), torch.ones(6, BLOCK - 1)
+    made = {}
+    for needs_grad in (False, True):
+        leaf = hidden.clone().requires_grad_(needs_grad)
+        with Shapes() as probe:
+            chunked_lm_head_ce(leaf, head, labels, weights, 2)
+        made[needs_grad] = probe.shapes.count(tuple(hidden.shape))
+    assert made == {False: 0, True: 1}
