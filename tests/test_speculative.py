@@ -18,7 +18,7 @@ from app.data.packing import pack_features, pack_row
 from app.errors import UserError
 from app.evaluate import EvalResult, evaluate_tau, prompts_from_file, speculative_generate
 from app.evaluate.evaluator import Evaluator
-from app.evaluate.speculative import _open_session
+from app.evaluate.speculative import _open_session, _RecomputedTarget, _stop_ids, cut_round
 from app.evaluate.tree import verified_tree_decode
 from app.model.drafter import DFlashDrafter, DrafterArch
 from app.model.objective import drafter_loss
@@ -475,3 +475,127 @@ def test_the_evaluator_stops_at_every_end_token_and_keeps_the_training_mode(tiny
     result = evaluator(drafter)
     assert result.per_prompt[0].tokens == continuation[: first_stop + 1]
     assert drafter.training
+
+
+# ---- the checks and settings around the loop ----------------------------------------------------------
+
+
+def test_a_drafter_for_another_target_or_on_another_device_is_refused_naming_both(random_qwen3) -> None:
+    target, drafter = random_qwen3
+    taps = {"num_layers": 1, "block_size": 4, "mask_token_id": 7, "target_layer_ids": [1, 5]}
+    for extra, message in [
+        (
+            {"hidden_size": 32},
+            "the drafter was built for a 8-layer target of hidden size 32, the target has 8 layers of hidden size 64",
+        ),
+        (
+            {"num_hidden_layers": 7},
+            "the drafter was built for a 7-layer target of hidden size 64, the target has 8 layers of hidden size 64",
+        ),
+        ({"vocab_size": 301}, "the drafter predicts over 301 tokens, the target embedding has 300 rows"),
+    ]:
+        other = DFlashDrafter(
+            DrafterArch.from_config(validate_config({**random_target_config(**extra), "drafter": taps}))
+        )
+        with pytest.raises(UserError) as refused:
+            speculative_generate(target, other, [1, 2], 4)
+        assert str(refused.value) == f"eval: {message}"
+    elsewhere = DFlashDrafter(drafter.arch).to("meta")
+    with pytest.raises(ValueError) as refused:
+        speculative_generate(target, elsewhere, [1, 2], 4)
+    assert str(refused.value) == "eval: drafter on meta, target on cpu: put them together"
+    with pytest.raises(UserError) as refused:
+        speculative_generate(target, drafter, [-1, 300, 301, 302, 303, 304, 5], 4)
+    assert str(refused.value) == (
+        "eval: prompt token ids [-1, 300, 301, 302, 303] are outside the target vocabulary [0, 300)"
+    )
+    assert speculative_generate(target, drafter, [0, 299], 1).tokens == greedy_reference(
+        target, [0, 299], 1, None
+    )
+    for prompts, message in [([[]], "eval: a prompt has no tokens"), ([], "eval: no prompts to evaluate")]:
+        with pytest.raises(UserError) as refused:
+            evaluate_tau(target, drafter, prompts, 4)
+        assert str(refused.value) == message
+
+
+def test_evaluate_tau_stops_every_prompt_at_its_end_token(random_qwen3) -> None:
+    target, drafter = random_qwen3
+    prompts = [list(range(60, 70)), [3, 1, 4, 1, 5]]
+    free = [greedy_reference(target, prompt, 12, None) for prompt in prompts]
+    stops = [free[0][4], free[1][6]]
+    result = evaluate_tau(target, drafter, prompts, 12, eos_token_id=stops)
+    for generated, reference in zip(result.per_prompt, free, strict=True):
+        first = next(index for index, token in enumerate(reference) if token in stops)
+        assert generated.tokens == reference[: first + 1]
+
+
+def test_stop_ids_come_as_one_id_or_many_and_a_round_is_cut_after_the_first() -> None:
+    assert _stop_ids(None) == frozenset()
+    assert cut_round([5, 6, 7, 8], 10, frozenset({6, 8})) == [5, 6]  # through the first stop id
+    assert cut_round([5, 6, 7], 2, frozenset({9})) == [5, 6]  # to the room left
+    assert cut_round([5, 6, 7], 3, frozenset({7})) == [5, 6, 7] and cut_round([4], 1, frozenset({4})) == [4]
+    assert _stop_ids(7) == frozenset({7})
+    many = _stop_ids(torch.tensor([3, 4]))
+    assert many == frozenset({3, 4}) and all(type(token) is int for token in many)
+
+
+class AutocastWitness(DFlashDrafter):
+    """The real drafter, noting the autocast dtype each of its calls ran under (None: no autocast)."""
+
+    def __init__(self, arch: DrafterArch) -> None:
+        super().__init__(arch, seed=0)
+        self.seen: set[torch.dtype | None] = set()
+
+    def _note(self) -> None:
+        self.seen.add(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+
+    def extend_context(self, *args, **kwargs):
+        self._note()
+        return super().extend_context(*args, **kwargs)
+
+    def draft(self, *args, **kwargs):
+        self._note()
+        return super().draft(*args, **kwargs)
+
+
+def test_the_drafter_runs_under_the_asked_autocast_and_the_output_stays_the_target_s(random_qwen3) -> None:
+    target, drafter = random_qwen3
+    prompt = [9, 8, 7, 6, 5]
+    witness = AutocastWitness(drafter.arch)
+    result = speculative_generate(target, witness, prompt, 10, autocast_dtype=torch.bfloat16)
+    assert witness.seen == {torch.bfloat16} and result.tokens == greedy_reference(target, prompt, 10, None)
+    plain = AutocastWitness(drafter.arch)
+    evaluate_tau(target, plain, [prompt], 10)
+    assert plain.seen == {None}
+    evaluated = AutocastWitness(drafter.arch)
+    evaluate_tau(target, evaluated, [prompt], 10, autocast_dtype=torch.bfloat16)
+    assert evaluated.seen == {torch.bfloat16}
+    half = AutocastWitness(drafter.arch)  # not the CPU's default autocast dtype (bf16): asked for, so taken
+    speculative_generate(target, half, prompt, 10, autocast_dtype=torch.float16)
+    assert half.seen == {torch.float16}
+
+
+def test_a_sliding_window_target_recomputes_and_stays_lossless() -> None:
+    raw = random_target_config(use_sliding_window=True, sliding_window=4, max_window_layers=4)
+    target, drafter = target_and_drafter(raw)
+    assert "sliding_attention" in target.text_config.layer_types
+    prompt = list(range(20, 32))
+    result = speculative_generate(target, drafter, prompt, 6)
+    assert result.target_cache == "recompute" and result.tokens == greedy_reference(target, prompt, 6, None)
+
+
+def test_a_session_gives_the_logits_asked_for_and_a_commit_with_nothing_pending_keeps_the_state(
+    random_qwen3,
+) -> None:
+    target, _ = random_qwen3
+    sequence = torch.arange(30, 40)
+    cached, recomputed = _open_session(target), _RecomputedTarget(target)
+    for session in (cached, recomputed):
+        session.commit(0)  # nothing run yet: nothing to keep
+        logits, features = session.forward(sequence[:6], logits_for=1)
+        assert tuple(logits.shape) == (1, 300) and tuple(features.shape) == (6, 128)
+        session.commit(6)
+        session.commit(0)  # nothing pending since: the six stay
+        logits, _ = session.forward(sequence[6:9], logits_for=2)
+        assert tuple(logits.shape) == (2, 300)
+    assert cached.cache.get_seq_length() == 9 and recomputed.accepted.tolist() == list(range(30, 36))
