@@ -427,3 +427,11 @@ def test_hidden_states_without_a_gradient_get_no_gradient_buffer():
             chunked_lm_head_ce(leaf, head, labels, weights, 2)
         made[needs_grad] = probe.shapes.count(tuple(hidden.shape))
     assert made == {False: 0, True: 1}
+
+
+def test_a_trainable_lm_head_is_refused_by_name():
+    with pytest.raises(ValueError) as error:
+        chunked_lm_head_ce(
+            torch.zeros(2, 3, HIDDEN), nn.Linear(HIDDEN, VOCAB), torch.zeros(2, 3).long(), torch.ones(2, 3), 1
+        )
+    assert str(error.value) == "chunked_lm_head_ce: the LM head must be frozen (requires_grad=False)"
