@@ -90,13 +90,19 @@ def step(
 
 
 def metrics(
-    records: Records, lines: list[str], *, noise: bool = True, peak: Peak | None = None
+    records: Records,
+    lines: list[str],
+    *,
+    noise: bool = True,
+    peak: Peak | None = None,
+    planner: BatchPlanner = PLANNER,
+    total_steps: int = 10,
 ) -> TrainingMetrics:
     return TrainingMetrics(
         Telemetry([records], [], lines.append),
         runtime=None,
-        planner=PLANNER,
-        total_steps=10,
+        planner=planner,
+        total_steps=total_steps,
         device=CPU,
         peak=peak,
         noise=noise,
@@ -347,14 +353,5 @@ def test_the_sums_live_on_the_step_s_device_and_nine_samples_are_cut_to_eight():
 def test_epoch_progress_of_a_one_batch_epoch():
     single = BatchPlanner(np.full(4, 64), shapes=TargetShapes((64,), 256, 4), bucket_window=8, seed=0)
     assert len(single.plan(0)) == 1
-    progress = TrainingMetrics(
-        Telemetry([], [], print),
-        runtime=None,
-        planner=single,
-        total_steps=4,
-        device=CPU,
-        peak=None,
-        noise=False,
-        colocated=True,
-    ).epoch_progress
+    progress = metrics(Records(), [], noise=False, planner=single, total_steps=4).epoch_progress
     assert progress(DataCursor(0, 1)) == 1.0 and progress(DataCursor(2, 0)) == 2.0
