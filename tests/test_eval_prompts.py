@@ -149,7 +149,8 @@ def test_the_rendered_prompt_gets_no_second_bos_from_a_tokenizer_that_adds_one(t
 
 
 def test_records_without_a_domain_share_no_limit_with_any_named_domain(tmp_path, tiny_tokenizer):
-    # whatever a domain is called, the unlabelled records are counted apart from it
+    # whatever a domain is called, the unlabelled records are counted apart from it: "XXXX" is the
+    # name a slip in the sentinel for "unlabelled" would give them (mutmut's string mutation of "")
     records = [conversation("a", "XXXX"), conversation("b"), conversation("c", "XXXX"), conversation("d")]
     path = write_records(tmp_path / "eval.jsonl", records)
     assert prompts_from_file(path, tiny_tokenizer, 1).domains == ["XXXX", ""]

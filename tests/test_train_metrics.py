@@ -97,16 +97,18 @@ def metrics(
     peak: Peak | None = None,
     planner: BatchPlanner = PLANNER,
     total_steps: int = 10,
+    runtime: Any = None,
 ) -> TrainingMetrics:
+    """The metrics of a colocated run (no runtime), or of a split one's drafter (its runtime)."""
     return TrainingMetrics(
         Telemetry([records], [], lines.append),
-        runtime=None,
+        runtime=runtime,
         planner=planner,
         total_steps=total_steps,
         device=CPU,
         peak=peak,
         noise=noise,
-        colocated=True,
+        colocated=runtime is None,
     )
 
 
@@ -272,16 +274,7 @@ def test_a_split_drafter_shows_the_targets_batches_as_received_and_their_reporte
     side = SideChannel(dist.HashStore())
     side.publish_target_stats(0, {"q_pre": 3, "forward_s": 1.5, "library_jit": 2})
     records, lines = Records(), []
-    shown = TrainingMetrics(
-        Telemetry([records], [], lines.append),
-        runtime=split_runtime(1, (1,), side),
-        planner=PLANNER,
-        total_steps=10,
-        device=CPU,
-        peak=None,
-        noise=False,
-        colocated=False,
-    )
+    shown = metrics(records, lines, noise=False, runtime=split_runtime(1, (1,), side))
     shown.add(step([loss_output(1.0, 0.5, 1.0)], grad_norm=1.0))
     stats = SourceStats(wait_seconds=0.25, real_tokens=64, drafter_batches=1, q_hs=[2], from_targets=[5])
     assert shown.log(1, DataCursor(0, 1), stats, lr=1e-3) == [1.0]
@@ -297,15 +290,9 @@ def test_a_split_drafter_shows_the_targets_batches_as_received_and_their_reporte
 
 def test_a_drafter_that_is_not_the_logger_reports_nothing_but_returns_its_losses():
     records = Records()
-    quiet = TrainingMetrics(
-        Telemetry([records], [], print),
-        runtime=split_runtime(2, (1, 2), SideChannel(dist.HashStore())),
-        planner=PLANNER,
-        total_steps=10,
-        device=CPU,
-        peak=None,
-        noise=False,
-        colocated=False,
+    lines: list[str] = []
+    quiet = metrics(
+        records, lines, noise=False, runtime=split_runtime(2, (1, 2), SideChannel(dist.HashStore()))
     )
     assert quiet.is_logger is False
     quiet.add(step([loss_output(3.0, 0.5, 1.0)], grad_norm=1.0))
@@ -315,7 +302,7 @@ def test_a_drafter_that_is_not_the_logger_reports_nothing_but_returns_its_losses
         3.0,
         1.5,
     ]
-    assert records.records == [] and quiet.pending == []
+    assert records.records == [] and lines == [] and quiet.pending == []
     assert quiet.window.step == 2 and quiet.window.drafter_batches == 3 and quiet.window.target_batches == 3
 
 
