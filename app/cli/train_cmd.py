@@ -47,23 +47,24 @@ def train(
     # Before torch loads (seconds on an idle machine, far longer on a loaded node), a rendezvous is
     # joined or a run directory is touched, each of these is one line: a missing group, the stack (an
     # off-lock version, an edited lock, a degrading compiler variable), torchrun variables that are no
-    # integer or set outside torchrun, a cache root under a regular file, an output directory that
+    # integer or set outside torchrun, a cache root that cannot be written, an output directory that
     # cannot be written, training data that is missing or blank, a resume of no run or on changed data.
     require_builtin_packages(run_config.target.builtin)
     require_locked_stack(allow_drift=run_config.train.allow_environment_drift)
     torchrun_variables()
     require_launch_matching(run_config.topology)
     writable_cache_root()
-    if run_config.data.cache_dir:
-        require_writable(run_config.data.cache_dir, keep=True, setting="data.cache_dir")
     if resume:
         require_run_to_resume(run_config.train.output_dir)
     else:
         require_own_directory(run_config.train.output_dir)
     if run_config.topology.nnodes * run_config.topology.nproc_per_node == 1:
-        # one process (under torchrun the logging rank probes it once torch has loaded: ranks creating
-        # and removing the directory at once would race)
+        # one process (under torchrun the logging rank probes it once torch has loaded, and the
+        # tokenized cache refuses in one line when it is built: ranks creating and removing one probe
+        # file at once would race)
         require_writable(run_config.train.output_dir, keep=False)
+        if run_config.data.cache_dir:
+            require_writable(run_config.data.cache_dir, keep=True, setting="data.cache_dir")
     require_records(run_config.data.train_files)
     if resume:
         check_data_identity(run_config, resume=True)
