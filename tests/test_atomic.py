@@ -15,6 +15,7 @@ from app.atomic import (
     file_sha256,
     publish_directory,
     replace_directory,
+    replace_file,
     staging_directory,
     write_bytes_atomic,
     write_json_atomic,
@@ -90,6 +91,10 @@ def test_a_durable_write_flushes_the_file_before_its_rename_and_the_directory_af
     write_bytes_atomic(tmp_path / "file", b"new")
     assert len(flushed) == 2 and Path(flushed[0]).name.startswith(".file.")  # the temp file first
     assert flushed[1] == str(tmp_path)
+    flushed.clear()
+    (tmp_path / ".shard.tmp").write_bytes(b"rows")
+    replace_file(tmp_path / ".shard.tmp", tmp_path / "shard")  # durable unless said otherwise
+    assert flushed == [str(tmp_path / ".shard.tmp"), str(tmp_path)]
     flushed.clear()
     write_bytes_atomic(tmp_path / "cache", b"may be lost", durable=False)
     assert flushed == []

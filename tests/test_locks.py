@@ -69,3 +69,25 @@ def test_no_holder_written_reads_as_another_process(tmp_path: Path) -> None:
     assert holder(tmp_path / "missing") == "another process"
     (tmp_path / "empty").write_text("")
     assert holder(tmp_path / "empty") == "another process"
+
+
+def test_the_holder_line_survives_any_command_line_and_any_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "lock"
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/dflash", "train", "caf\udce9.toml"])  # undecodable argv
+    with held(path, wait_s=0):
+        assert holder(path) == f"pid {os.getpid()} on {socket.gethostname()} (dflash train 'caf?.toml')"
+    for argv in ([], [""]):  # an embedded interpreter's empty argv
+        monkeypatch.setattr(sys, "argv", argv)
+        with held(path, wait_s=0):
+            assert holder(path) == f"pid {os.getpid()} on {socket.gethostname()} (python)"
+    path.write_bytes(b"pid 7 on h\xff (x)\n")  # written by something else: read, not refused
+    assert holder(path) == "pid 7 on h\ufffd (x)"
+
+
+def test_a_refusal_carries_the_lock_s_path(tmp_path: Path) -> None:
+    path = tmp_path / "lock"
+    with held(path), pytest.raises(LockBusy) as refused, held(path, wait_s=0):
+        pass
+    assert refused.value.path == path
