@@ -91,3 +91,27 @@ def test_a_refusal_carries_the_lock_s_path(tmp_path: Path) -> None:
     with held(path), pytest.raises(LockBusy) as refused, held(path, wait_s=0):
         pass
     assert refused.value.path == path
+
+
+def test_without_a_listener_the_wait_is_a_log_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+
+    path = tmp_path / "lock"
+
+    def wait_for_it() -> None:
+        with held(path):
+            pass
+
+    with held(path):
+        waiter = threading.Thread(target=wait_for_it)
+        with caplog.at_level("WARNING", logger="app.locks"):
+            waiter.start()
+            deadline = time.monotonic() + 30
+            while not caplog.messages and time.monotonic() < deadline:
+                time.sleep(0.05)
+    waiter.join(timeout=30)
+    (message,) = caplog.messages
+    assert message.startswith(f"waiting for {path}, held by pid {os.getpid()} on {socket.gethostname()} (")
+    assert [record.levelname for record in caplog.records] == ["WARNING"] and not waiter.is_alive()
