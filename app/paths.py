@@ -5,6 +5,7 @@ Also the names of run-directory files that one stage writes and another reads.""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from app.errors import UserError
@@ -52,9 +53,9 @@ def create_writable(directory: Path) -> None:
     """Create `directory` and write and remove a probe file in it; the OS's error where either fails
     (a read-only file system, no permission: the directory may exist and still refuse files)."""
     directory.mkdir(parents=True, exist_ok=True)
-    probe = directory / f".write-probe-{os.getpid()}"
-    probe.write_bytes(b"")
-    probe.unlink()
+    handle, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)  # its own name: threads and
+    os.close(handle)  # processes probing the same directory at once never remove each other's probe
+    os.unlink(probe)
 
 
 def writable_cache_root() -> Path:
