@@ -297,7 +297,8 @@ def _code_lines(fingerprint: dict[str, Any]) -> list[str]:
         f" and {len(changed) - CHANGED_FILES_SHOWN} more" if len(changed) > CHANGED_FILES_SHOWN else ""
     )
     return [
-        f"code: {len(changed)} file{'s' * (len(changed) != 1)} differ from commit {fingerprint.get('revision')}: {shown}"
+        f"code: {len(changed)} file{' differs' if len(changed) == 1 else 's differ'} from commit "
+        f"{fingerprint.get('revision')}: {shown}"
     ]
 
 
