@@ -132,14 +132,21 @@ class ScriptedServer:
         "nochoices"      200 with a JSON object without `choices`
         "empty"          200 with an empty message
         "errorbody"      200 with an `error` object (as some servers report OOM)
+        "warned"         200 with `choices` and an `error` object beside them (an answer all the same)
         "http500"        500, always
         "templated500"   500 whose body echoes a chat template's `[INST] ... [/INST]` (rich markup syntax)
         "bad400"         400 with a detail
+        "busy"           429, always
+        "hangup"         the connection closed without an answer (a server dying mid-request)
+        "badgzip"        200 whose body claims gzip but is not
         "flaky"          503 for the first two requests of that text, then a normal answer
         "think"          `<think>why</think>answer` in the content
         "reasoningfield" reasoning in `reasoning_content`, the answer in `content`
+        "truncated"      `echo(messages)` with finish_reason "length" (cut at max_tokens)
+        "nofinish"       `echo(messages)` with no finish_reason
         anything else    `echo(messages)`: "echo <hash of the whole conversation>", after `delay_s`
-    While `broken` is set every chat request gets a 500.
+    While `broken` is set every chat request gets a 500. GET /v1/models answers `models_status` with
+    `{"data": models}` (`models` is any JSON value: a list of `{"id": ...}` entries by default).
     """
 
     def __init__(self, delay_s: float = 0.0, port: int | None = None) -> None:
@@ -147,7 +154,10 @@ class ScriptedServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.broken = False
+        self.models: Any = [{"id": SCRIPTED_MODEL}]
+        self.models_status = 200
         self.requests: list[list[dict[str, Any]]] = []
+        self.bodies: list[dict[str, Any]] = []  # every chat request's whole body, in arrival order
         self.active = 0
         self.peak_active = 0
         self._seen: dict[str, int] = {}
@@ -156,9 +166,9 @@ class ScriptedServer:
 
     def start(self) -> ScriptedServer:
         handler = _handler_for(self)
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self._server = _Listener(("127.0.0.1", self.port), handler)
+        # polled every 0.05 s: `stop` waits for the next poll (0.5 s by default, in every test's teardown)
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -191,12 +201,21 @@ class ScriptedServer:
             return 200, _completion("")
         if last_user.startswith("errorbody"):
             return 200, json.dumps({"error": {"message": "CUDA out of memory"}}).encode()
+        if last_user.startswith("warned"):
+            answer = json.loads(_completion(echo(messages)))
+            return 200, json.dumps({**answer, "error": {"message": "a warning"}}).encode()
         if last_user.startswith("templated500"):
             return 500, b"<s>[INST] templated500 [/INST] failed: [bold]out of memory[/bold]"
         if last_user.startswith("http500"):
             return 500, b"Internal Server Error"
         if last_user.startswith("bad400"):
             return 400, json.dumps({"detail": "prompt is too long"}).encode()
+        if last_user.startswith("busy"):
+            return 429, b"too many requests"
+        if last_user.startswith("hangup"):
+            return 0, b""
+        if last_user.startswith("badgzip"):
+            return -200, b"not gzip at all"
         if last_user.startswith("flaky"):
             with self._lock:
                 self._seen[last_user] = self._seen.get(last_user, 0) + 1
@@ -206,8 +225,9 @@ class ScriptedServer:
             return 200, _completion("<think>why</think>answer")
         if last_user.startswith("reasoningfield"):
             return 200, _completion("answer", reasoning="why")
+        finish = {"truncated": "length", "nofinish": None}.get(last_user.split(" ", 1)[0], "stop")
         time.sleep(self.delay_s)
-        return 200, _completion(echo(messages))
+        return 200, _completion(echo(messages), finish=finish)
 
     @property
     def answered(self) -> int:
@@ -216,12 +236,27 @@ class ScriptedServer:
             return len(self.requests) - self.active
 
 
+class _Listener(ThreadingHTTPServer):
+    """One thread per request; a backlog for a hundred clients connecting at once (5 by default)."""
+
+    daemon_threads = True
+    request_queue_size = 256
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up first (a timeout, a stopped run) is no error of the server's. Its
+        traceback, formatted in this thread, could also race the main thread's `ast.parse` (CPython 3.11
+        formats a traceback's carets with `ast.parse`, whose recursion state is shared: "SystemError:
+        AST constructor recursion depth mismatch")."""
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 def echo(messages: list[dict[str, Any]]) -> str:
     """The scripted answer to an ordinary conversation."""
     return f"echo {hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:12]}"
 
 
-def _completion(content: str, reasoning: str | None = None) -> bytes:
+def _completion(content: str, reasoning: str | None = None, finish: str | None = "stop") -> bytes:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -229,7 +264,7 @@ def _completion(content: str, reasoning: str | None = None) -> bytes:
         "id": "chatcmpl-1",
         "object": "chat.completion",
         "model": SCRIPTED_MODEL,
-        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
         "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
     }
     return json.dumps(body).encode()
@@ -242,7 +277,9 @@ def _handler_for(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                self._send(200, json.dumps({"object": "list", "data": [{"id": SCRIPTED_MODEL}]}).encode())
+                self._send(
+                    server.models_status, json.dumps({"object": "list", "data": server.models}).encode()
+                )
             else:
                 self._send(404, b"{}")
 
@@ -251,11 +288,20 @@ def _handler_for(server: ScriptedServer) -> type[BaseHTTPRequestHandler]:
             if self.path != "/v1/chat/completions":
                 self._send(404, b"{}")
                 return
+            with server._lock:
+                server.bodies.append(body)
             self._send(*server.answer(body["messages"]))
 
         def _send(self, status: int, body: bytes) -> None:
-            self.send_response(status)
+            """Status 0 closes the connection without an answer; a negative status is its positive
+            one with a body that claims to be gzip."""
+            if status == 0:
+                self.close_connection = True
+                return
+            self.send_response(abs(status))
             self.send_header("Content-Type", "application/json")
+            if status < 0:
+                self.send_header("Content-Encoding", "gzip")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
