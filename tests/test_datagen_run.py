@@ -253,7 +253,12 @@ def test_a_partial_shard_waits_for_flush_interval_s_then_the_timer_commits_it(tm
             answer(run, 0)
             run.failed(run.pending[1], "r")
             assert not list((tmp_path / "out").glob("part-*")) and rejects(tmp_path / "out") == []
-            wait_for(lambda: len(output_rows(tmp_path / "out")) == 1, 5.0, "the timed commit")
+            # the timer writes the shard, then the rejects: wait for both
+            wait_for(
+                lambda: len(output_rows(tmp_path / "out")) == 1 and rejects(tmp_path / "out") != [],
+                5.0,
+                "the timed commit",
+            )
             assert [r["id"] for r in rejects(tmp_path / "out")] == ["p1"]
             answer(run, 2)
             assert len(output_rows(tmp_path / "out")) == 1  # the interval restarted at the commit
