@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -181,8 +182,15 @@ def test_a_resume_is_compared_with_its_last_good_start_before_the_newest(tmp_pat
     # A start recorded without its config: the comparison says it is incomplete.
     own = own_comparison(make_run(tmp_path / "old", starts=[start(1, config=None), start(2)]))
     assert own is not None and own.problem == "a start of the record holds no config" and own.config == []
-    own = own_comparison(make_run(tmp_path / "old2", starts=[start(1), start(2, config=None)]))
+    # Its target unknown, a fast-kernel change of such a start stays breaking (the target may be hybrid).
+    kernels = {"fla": {"present": True, "version": "0.6.0", "error": None}}
+    own = own_comparison(
+        make_run(tmp_path / "old2", starts=[start(1), start(2, config=None, fast_kernels=kernels)])
+    )
     assert own is not None and own.problem == "a start of the record holds no config"
+    assert [(d.field, d.breaking) for d in own.environment] == [
+        ("fast_kernels.fla.present", True), ("fast_kernels.fla.version", True)
+    ]  # fmt: skip
 
 
 def test_another_run_is_compared_at_its_last_good_start_with_this_runs_newest(tmp_path: Path) -> None:
@@ -364,6 +372,15 @@ def test_a_running_run_is_unhealthy_when_dead_stale_or_degraded(tmp_path: Path) 
         f"{2**31 - 1} on {os.uname().nodename} is gone; status last updated 5m ago"
     ) in text.splitlines()
     assert "  - the training process died without an exit: start the run again" in text.splitlines()
+    # Written on another host: a heartbeat silent for over 30 s is a dead writer, a fresh one is not.
+    beat = {"pid": 7, "host": "another-host", "at": ago(0)}
+    (run / HEARTBEAT_FILE).write_text(json.dumps(beat))
+    assert render_status(run)[1]
+    (run / HEARTBEAT_FILE).write_text(json.dumps({**beat, "at": ago(600)}))
+    text, healthy = render_status(run)
+    assert not healthy
+    assert re.search(r"^state: STOPPED without an exit at step 3 .*: its heartbeat from another-host \(pid 7\) "
+                     r"stopped 60\ds ago; status last updated 5m ago$", text, re.MULTILINE)  # fmt: skip
     (run / HEARTBEAT_FILE).unlink()
     stale = make_run(tmp_path / "stale", state="running", finished_at=None, updated_at=ago(20 * 60))
     text, healthy = render_status(stale)
