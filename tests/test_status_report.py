@@ -284,7 +284,7 @@ def test_a_resumed_run_in_another_stack_is_degraded_against_both_references(tmp_
                   {"exit_reason": "failed: X", "step": 30}],
         last_checkpoint={"path": str(checkpoint), "step": 40, "at": "T9"},
         starts=[start(1), start(2, step=20, accepted=["torch ..."], torch={"version": "2.11.0"})],
-        config={**CONFIG, "train": {"lr": 0.01, "output_dir": "/x"}},
+        config={**CONFIG, "train": {"lr": 0.01, "output_dir": "/x"}}, run_dir="/data/runs/run",
     )  # fmt: skip
     torch_line = (
         "    torch.version: 2.9.0+cu128 -> 2.11.0 (another torch build: other kernels, compile cache invalid)"
@@ -292,7 +292,7 @@ def test_a_resumed_run_in_another_stack_is_degraded_against_both_references(tmp_
     text, healthy = render_status(run)
     assert not healthy
     assert text.splitlines() == [
-        f"run run ({run})",
+        "run run (/data/runs/run)",  # where the run started (the directory was moved since)
         "goal: train a drafter",
         "state: completed at step 40 (2026-01-09T00:00:00+00:00)",
         "progress: step 40 of 40; loss 1.5000 acc 0.500 streak 1.00",
@@ -385,5 +385,16 @@ def test_a_running_run_is_unhealthy_when_dead_stale_or_degraded(tmp_path: Path) 
     stale = make_run(tmp_path / "stale", state="running", finished_at=None, updated_at=ago(20 * 60))
     text, healthy = render_status(stale)
     assert not healthy and "STALE: no update for 20m" in text
+    assert (
+        "  - check whether the training process is alive; if it died, start the run again"
+        in text.splitlines()
+    )
+    # A status without its health section (none written yet) is not taken for a healthy run.
+    bare = make_run(tmp_path / "bare", state="running", finished_at=None, updated_at=ago(300))
+    status = json.loads((bare / STATUS_FILE).read_text())
+    del status["health"]
+    (bare / STATUS_FILE).write_text(json.dumps(status))
+    text, healthy = render_status(bare)
+    assert not healthy and "\nhealth: ? (0 events)\n" in text
     degraded = make_run(tmp_path / "degraded", state="running", health="degraded", finished_at=None)
     assert not render_status(degraded)[1]

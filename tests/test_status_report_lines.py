@@ -133,6 +133,11 @@ def test_the_throughput_line_against_its_baseline_and_the_last_good_run() -> Non
     )
     no_speed = Comparison(Path("/g"), "x", status={"throughput": {"tokens_per_s": None}})
     assert _throughput_line({"throughput": plain}, no_speed) == "4.6Ktok/s (mean of the last ? log lines)"
+    # K is a thousand tokens, here and for the last good run: 21,560 tok/s is 21.6K, not 21.5K.
+    same = Comparison(Path("/g"), "x", status={"throughput": {"tokens_per_s": 21_560.0}})
+    assert _throughput_line({"throughput": {"tokens_per_s": 21_560.0}}, same) == (
+        "21.6Ktok/s (mean of the last ? log lines); last good run: 21.6Ktok/s (100% of it)"
+    )
 
 
 def test_the_code_line_names_up_to_eight_changed_files() -> None:
