@@ -7,10 +7,23 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
+import pytest
+import torch
+
+from app.evaluate import replay
 from app.evaluate.prompts import first_per_domain, prompts_from_file
-from app.evaluate.replay import chain_rounds, tree_rounds
+from app.evaluate.replay import (
+    _drafts_at_every_anchor,
+    chain_rounds,
+    evaluate_replay,
+    replay_prompt,
+    tree_rounds,
+)
 from app.evaluate.result import EvalResult, GenerationResult, TreeResult, depth_statistics
+from app.model.tree import grow_tree
+from tests.test_speculative import AutocastWitness, greedy_reference, random_target_config, target_and_drafter
 
 BLOCK = 5  # 4 drafted depths per round
 ANSWER = list(range(100, 123))  # 23 tokens: the prefill's token and 22 more
@@ -173,3 +186,129 @@ def test_tree_tau_pools_every_round_of_every_prompt_and_its_gain_is_over_the_cha
         "16": {"tau": 7 / 3, "top_k": 4, "rounds": 3},
         "64": {"tau": 3.5, "top_k": 4, "rounds": 2},
     }
+
+
+def brute_force_rounds(paths: list[set[tuple[int, ...]]], answer: list[int]) -> list[int]:
+    """Round lengths over `answer` where `paths[a]` holds every token sequence the round anchored at
+    answer index `a` can accept: each round emits the longest run of the answer after its anchor that
+    is one of them, plus the target's token, cut to what is left."""
+    lengths, emitted = [], 1
+    while emitted < len(answer):
+        left = len(answer) - emitted
+        accepted = max(
+            k for k in range(left + 1) if tuple(answer[emitted : emitted + k]) in paths[emitted - 1]
+        )
+        lengths.append(min(accepted + 1, left))
+        emitted += lengths[-1]
+    return lengths
+
+
+def chain_paths(block: list[list[int]]) -> set[tuple[int, ...]]:
+    """Every prefix of the rank-0 drafts."""
+    top = [candidates[0] for candidates in block]
+    return {tuple(top[:k]) for k in range(len(top) + 1)}
+
+
+def tree_paths(log_probs: list[list[float]], block: list[list[int]], budget: int) -> set[tuple[int, ...]]:
+    """The token sequence from the root to every node of the block's tree, and the empty one."""
+    tree = grow_tree(log_probs, block, budget)
+    paths: set[tuple[int, ...]] = {()}
+    for node in range(len(tree.tokens)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, tree.tokens[at])
+            at = tree.parents[at]
+        paths.add(tuple(path))
+    return paths
+
+
+def test_the_walk_over_random_drafts_equals_a_brute_force_count():
+    """Random top-3 drafts over a 4-token vocabulary (so that drafts often match) and answers of 1 to
+    25 tokens: the chain accepts a prefix of rank-0 drafts, the tree a path of its nodes (every path
+    of the tree enumerated), the ranks are each true token's place among the candidates."""
+    rng = random.Random(7)
+    for trial in range(60):
+        depths, top_k, budget = rng.randint(1, 5), 3, rng.randint(1, 12)
+        answer = [rng.randrange(4) for _ in range(rng.randint(1, 25))]
+        token_ids = [
+            [rng.sample(range(4), top_k) for _ in range(depths)] for _ in range(max(len(answer) - 1, 1))
+        ]
+        log_probs = [[sorted((-rng.random() * 4 for _ in range(top_k)), reverse=True) for _ in range(depths)]
+                     for _ in token_ids]  # fmt: skip
+
+        lengths, ranks = chain_rounds(token_ids, answer)
+        assert lengths == brute_force_rounds([chain_paths(block) for block in token_ids], answer), trial
+        assert sum(lengths) == len(answer) - 1
+        anchors = [sum(lengths[:r]) for r in range(len(lengths))]  # answer index of each round's anchor
+        for anchor, round_ranks in zip(anchors, ranks, strict=True):
+            truth = answer[anchor + 1 : anchor + 1 + depths]
+            block = token_ids[anchor]
+            expected = [block[d].index(t) if t in block[d] else -1 for d, t in enumerate(truth)]
+            assert round_ranks == expected + [-2] * (depths - len(truth)), trial
+        trees = [tree_paths(p, block, budget) for p, block in zip(log_probs, token_ids, strict=True)]
+        assert tree_rounds(log_probs, token_ids, answer, budget) == brute_force_rounds(trees, answer), trial
+
+
+class Clock:
+    """`time` for the replay's progress: each reading `step` seconds after the last."""
+
+    def __init__(self, step: float):
+        self.now, self.step = 0.0, step
+
+    def monotonic(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_evaluate_replay_pools_each_prompt_s_rounds_per_budget_and_domain_and_reports_every_10_s(monkeypatch):
+    target, drafter = target_and_drafter(random_target_config())
+    prompts = [[5, 9, 11], list(range(40, 47)), [3, 1, 4, 1, 5]]
+    answers = [greedy_reference(target, prompt, 9, None) for prompt in prompts]
+    replayed = [
+        replay_prompt(target, drafter, p, a, [2, 6], top_k=2) for p, a in zip(prompts, answers, strict=True)
+    ]
+    # readings 5 s apart: the start, then per prompt one check (and one more after a line): 5 - 0 < 10,
+    # 10 - 0 >= 10 (a line, the clock reset to 15), 20 - 15 < 10
+    heard: list[str] = []
+    monkeypatch.setattr(replay, "time", Clock(5.0))
+    domains = ("code", "prose", "code")
+    result = evaluate_replay(target, drafter, prompts, answers, [2, 6], 2, None, domains, heard.append)
+    assert heard == ["eval: replayed the rounds of 2/3 prompts"]
+    assert [r.tokens for r in result.per_prompt] == answers and result.domains == list(domains)
+    assert [r.acceptance_lengths for r in result.per_prompt] == [r.chain.acceptance_lengths for r in replayed]
+    assert result.depth_ranks == [r.depth_ranks for r in replayed] and result.block_size == 4
+    assert [(t.budget, t.top_k, t.block_size) for t in result.trees] == [(2, 2, 4), (6, 2, 4)]
+    for tree in result.trees:
+        assert tree.acceptance_lengths == [r.trees[tree.budget] for r in replayed]
+    assert list(result.by_domain()) == ["code", "prose"]
+    plain = evaluate_replay(target, drafter, prompts, answers, [], 2)  # no domains, no progress
+    assert plain.domains == [] and plain.trees == [] and plain.tau == result.tau
+
+
+def test_the_drafts_at_every_anchor_are_each_block_s_top_k_however_many_blocks_a_pass_drafts(monkeypatch):
+    """Every answer token but the last anchors a block of B - 1 depths with the top-K (8, more than the
+    3 depths) candidates each; drafted 2 blocks per pass the same as in one pass."""
+    target, drafter = target_and_drafter(random_target_config())
+    prompt, answer = [5, 9, 11], greedy_reference(target, [5, 9, 11], 9, None)
+    sequence = torch.tensor(prompt + answer)
+    features = target.features(sequence[None])[0]
+    log_probs, token_ids = _drafts_at_every_anchor(target, drafter, sequence, features, len(prompt), 8, None)
+    assert (len(token_ids), len(token_ids[0]), len(token_ids[0][0])) == (len(answer) - 1, 3, 8)
+    assert all(values == sorted(values, reverse=True) for block in log_probs for values in block)
+    monkeypatch.setattr(replay, "ANCHORS_PER_PASS", 2)
+    chunked_log_probs, chunked_ids = _drafts_at_every_anchor(
+        target, drafter, sequence, features, len(prompt), 8, None
+    )
+    assert chunked_ids == token_ids
+    assert torch.allclose(torch.tensor(chunked_log_probs), torch.tensor(log_probs), atol=1e-5)
+
+
+def test_the_drafter_drafts_in_the_asked_precision_and_answers_go_with_their_prompts():
+    target, drafter = target_and_drafter(random_target_config())
+    prompts = [[5, 9, 11], [3, 1, 4]]
+    answers = [greedy_reference(target, prompt, 6, None) for prompt in prompts]
+    witness = AutocastWitness(drafter.arch)
+    evaluate_replay(target, witness, prompts, answers, [4], 2, torch.bfloat16)
+    assert witness.seen == {torch.bfloat16}
+    with pytest.raises(ValueError, match="zip"):
+        evaluate_replay(target, drafter, prompts, answers[:1], [4], 2)
