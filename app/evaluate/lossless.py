@@ -11,8 +11,8 @@ with the greedy decode and its acceptance lengths with the replayed tree's. A hy
 ancestor mask, so there the tree's acceptance rests on the chain's.
 
 On a GPU in bf16 an incremental decode and a block verification round differently, so a mismatch
-there can be numerics rather than a bug: the check counts, names the first differing prompt, and
-leaves the verdict to the caller.
+there can be numerics rather than a bug: the check counts, names the first differing prompt of the
+chain and of the tree, and leaves the verdict to the caller.
 """
 
 from __future__ import annotations
@@ -74,9 +74,7 @@ def greedy_decode(
         eos_token_id=list(stop_ids) or None,
         pad_token_id=0,
     )
-    tokens = output[0, len(prompt) :].tolist()
-    stop = next((index for index, token in enumerate(tokens) if token in set(stop_ids)), None)
-    return tokens[: stop + 1] if stop is not None else tokens
+    return output[0, len(prompt) :].tolist()  # one row: generate stops right after its first stop token
 
 
 @torch.inference_mode()
@@ -93,6 +91,8 @@ def check_lossless(
     layer_types = getattr(target.text_config, "layer_types", None) or []
     tree = result.trees[0] if result.trees and all(kind == "full_attention" for kind in layer_types) else None
     check = LosslessCheck(len(prompts), 0, tree.budget if tree else None)
+    chain_differs: list[int] = []
+    tree_differs: list[int] = []
     for index, (prompt, decoded) in enumerate(zip(prompts, result.per_prompt, strict=True)):
         greedy = greedy_decode(target, prompt, max_new_tokens, stop_ids)
         loop = speculative_generate(target, drafter, prompt, max_new_tokens, stop_ids, autocast_dtype)
@@ -100,10 +100,8 @@ def check_lossless(
             loop.tokens == greedy == decoded.tokens and loop.acceptance_lengths == decoded.acceptance_lengths
         )
         check.chain_equal += equal
-        if not equal and not check.first_mismatch:
-            check.first_mismatch.append(
-                f"prompt {index}: the chain's output or rounds differ from the greedy decode or the loop"
-            )
+        if not equal:
+            chain_differs.append(index)
         if tree is None:
             continue
         tokens, lengths = verified_tree_decode(
@@ -118,6 +116,12 @@ def check_lossless(
         )
         equal = tokens == greedy and lengths == tree.acceptance_lengths[index]
         check.tree_equal += equal
-        if not equal and len(check.first_mismatch) < 2:
-            check.first_mismatch.append(f"prompt {index}: tree verification differs")
+        if not equal:
+            tree_differs.append(index)
+    # the first differing prompt of each kind: a chain mismatch after a tree mismatch is still named
+    check.first_mismatch += [
+        f"prompt {index}: the chain's output or rounds differ from the greedy decode or the loop"
+        for index in chain_differs[:1]
+    ]
+    check.first_mismatch += [f"prompt {index}: tree verification differs" for index in tree_differs[:1]]
     return check
