@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import yaml
 
 from app.bench.target import format_report, run_target_bench
-from app.compile.apply import compile_drafter, compile_target, compiled_flex_attention
+from app.compile.apply import compile_drafter, compile_target, compiled_flex_attention, reset_compiled_state
 from app.compile.artifacts import list_entries
 from app.compile.build import build_cache
 from app.compile.guard import RecompileError, enter_steady_state, recompile_errors
@@ -80,7 +80,10 @@ def test_training_compiles_once_then_a_new_shape_is_refused(
     tiny_tokenizer_dir, tiny_conversations, tmp_path: Path, persistent_tmp: Path
 ) -> None:
     """A CUDA run compiles the drafter at warm-up, trains its steps without a recompile (one would
-    raise), and stays in the fail_on_recompile stance: another row shape is an error, not a compile."""
+    raise), and stays in the fail_on_recompile stance: another row shape is an error, not a compile.
+    It starts from a forgotten compiled state: dynamo reuses the drafter graphs an earlier test of this
+    process compiled (tests/test_gpu_loop.py's runs), and the warm-up then reads 0 misses."""
+    reset_compiled_state()
     config = random_target_config(
         tiny_tokenizer_dir,
         tiny_conversations,
