@@ -210,7 +210,7 @@ def test_a_request_longer_than_request_timeout_s_fails_its_record(tmp_path: Path
         server.stop()
     assert time.monotonic() - started < 0.9 and report.failed == 1
     (entry,) = rejects(tmp_path / "out")
-    assert entry["reason"].startswith(f"turn 1: {server.url}: timed out (")
+    assert entry["reason"] == f"turn 1: {server.url}: timed out (ReadTimeout) (gave up after 1 attempts)"
 
 
 def test_every_server_gets_concurrency_requests_at_once(tmp_path: Path) -> None:
@@ -240,3 +240,16 @@ def test_more_than_a_hundred_slots_are_all_used(tmp_path: Path) -> None:
         for server in servers:
             server.stop()
     assert report.done == 120 and [s.peak_active for s in servers] == [60, 60]
+
+
+def test_prompt_files_with_no_usable_record_are_all_named(tmp_path: Path) -> None:
+    first = write_jsonl(tmp_path / "a.jsonl", [{"text": "no messages"}])
+    second = write_jsonl(tmp_path / "b.jsonl", ["{oops"])
+    config = make_config(first, tmp_path / "out", ["http://127.0.0.1:9"])
+    config.prompts.append(str(second))
+    with pytest.raises(UserError) as refused:
+        run_datagen(config, quiet_console())
+    assert str(refused.value) == (
+        f"datagen.prompts: no usable prompt records in {first}, {second} (2 malformed, 0 duplicate ids)"
+    )
+    assert not (tmp_path / "out").exists()
