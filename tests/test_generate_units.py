@@ -58,12 +58,14 @@ class Counted:
     """The real ring step, counting its calls and keeping each call's step and noise."""
 
     def __init__(self, ring):
-        self.ring, self.steps, self.noises = ring, [], []
+        self.ring, self.steps, self.noises, self.lasts, self.chosen = ring, [], [], [], []
 
     def __call__(self, last, prompts, lengths, first_step, step, noise):
-        self.steps.append(int(step))
+        self.steps.append(None if step.is_meta else int(step))
         self.noises.append(noise)
-        return self.ring(last, prompts, lengths, first_step, step, noise)
+        self.lasts.append(last.clone())
+        self.chosen.append(self.ring(last, prompts, lengths, first_step, step, noise))
+        return self.chosen[-1]
 
 
 def decoder(model, rows, prompt_tokens, new_tokens, stops=(), temperature=0.0, pad=0):
@@ -153,6 +155,8 @@ def test_the_warm_up_and_replayed_steps_run_the_stream_s_step(model):
     batch, counted = decoder(model, rows=2, prompt_tokens=5, new_tokens=4, pad=9)
     seconds = batch.warm_up()
     assert 0 < seconds < 60 and counted.steps == [1] and counted.noises == [None]
+    # the step reads the prefill's pad token and a 0 as the last token chosen (the replay's first input)
+    assert counted.lasts[0].tolist() == [0, 0] and counted.chosen[0][0] == plain_decode(model, [9, 0], 1)[0]
     assert batch.first_step.tolist() == [0, 1]  # one prompt token in the first row, the other row after
     assert batch.lengths.tolist() == [1, 0]
     assert batch.decode(PROMPTS[:3]) == [plain_decode(model, p, 4) for p in PROMPTS[:3]]
@@ -233,3 +237,50 @@ def test_generate_decoder_answers_in_batches_of_rows(model):
     generate = GenerateDecoder(model, shape, [stop], pad_token_id=3)
     assert generate.decode(PROMPTS[:3]) == [plain_decode(model, p, 5, {stop}) for p in PROMPTS[:3]]
     assert GenerateDecoder(model, shape, []).decode(PROMPTS[:3]) == free
+
+
+def test_the_warm_up_reads_the_default_pad_token_0_and_decodes_eagerly_without_a_compiled_step(model):
+    ring = RingStep(
+        model, DecodeShape(rows=2, max_prompt_tokens=5, max_new_tokens=4), temperature=0.0, block_sparse=False
+    )
+    eager = BatchDecoder(ring, [])
+    assert eager.pad_token_id == 0 and eager.step is not ring  # the ring under `eagerly`
+    eager.warm_up()
+    assert eager.decode(PROMPTS[:3]) == [plain_decode(model, p, 4) for p in PROMPTS[:3]]
+    counted = Counted(ring)
+    BatchDecoder(ring, [], compiled=counted).warm_up()
+    assert counted.chosen[0][0] == plain_decode(model, [0, 0], 1)[0]
+
+
+def test_the_default_seed_is_0(model):
+    hot, _ = decoder(model, rows=2, prompt_tokens=5, new_tokens=6, temperature=1.0)
+    by_seed = hot.decode(PROMPTS, seed=0)
+    assert hot.decode(PROMPTS) == by_seed and dict(hot.stream(PROMPTS)) == dict(enumerate(by_seed))
+    assert hot.decode(PROMPTS, seed=1) != by_seed
+
+
+def test_the_decoder_s_tensors_live_on_the_target_s_device(model):
+    """On the meta device (it stands for CUDA here): the rows' state, the stop ids, the replayed
+    steps' inputs and the sampling noise are made on the target's device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(model.config)
+    ring = RingStep(
+        meta, DecodeShape(rows=2, max_prompt_tokens=4, max_new_tokens=3), temperature=1.0, block_sparse=False
+    )
+    counted = Counted(ring)
+    batch = BatchDecoder(ring, [3, 1], compiled=counted)
+    state = (batch.prompts, batch.lengths, batch.first_step, batch.stop_ids)
+    assert [(t.device.type, t.dtype) for t in state] == [("meta", torch.long)] * 4
+    assert batch.prompts.shape == (2, 4) and batch.lengths.shape == batch.first_step.shape == (2,)
+    batch.replayed_steps(1)()
+    assert (counted.lasts[0].device.type, counted.noises[0].device.type) == ("meta", "meta")
+    noise = batch._noise(torch.Generator().manual_seed(0))
+    assert noise.device.type == "meta" and noise.shape == (2, VOCAB)
+    generate = GenerateDecoder(meta, batch.shape, [3, 1])
+    assert (generate.stop_ids.device.type, generate.stop_ids.dtype, generate.stop_ids.shape) == (
+        "meta",
+        torch.long,
+        (2,),
+    )
