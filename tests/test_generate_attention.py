@@ -98,3 +98,17 @@ def test_ring_blocks_list_each_row_s_arc_once_with_the_row_s_mask():
         for row in (0, 13, 45):
             shown = mask.mask_mod(torch.tensor(row), torch.tensor(0), torch.tensor(1), slot)
             assert shown.tolist() == (slot >= row % ring).tolist()
+
+
+def test_ring_blocks_defaults_to_one_query_and_stays_on_the_step_s_device():
+    """int32 block counts and indices (flex's own dtype), on the device of the rows' state (meta here,
+    standing for CUDA)."""
+    mask = attention.ring_blocks(torch.tensor([0, 9]), torch.tensor(12), 16, 4, lambda row, slot: slot >= 0)
+    assert mask.seq_lengths == (1, 16)
+    assert (mask.kv_num_blocks.dtype, mask.kv_indices.dtype) == (torch.int32, torch.int32)
+    assert mask.kv_num_blocks.view(-1).tolist() == [4, 2]
+    meta = torch.device("meta")
+    on_meta = attention.ring_blocks(
+        torch.tensor([0, 9], device=meta), torch.tensor(12, device=meta), 16, 4, lambda row, slot: slot >= 0
+    )
+    assert on_meta.kv_num_blocks.is_meta and on_meta.kv_indices.is_meta
