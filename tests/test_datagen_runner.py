@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import re
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ from rich.console import Console
 
 from app.datagen import run_datagen
 from app.datagen.prompts import load_prompts
+from app.datagen.servers import NoServerReachable
 from app.errors import UserError
 from tests.datagen_helpers import make_config, output_rows, quiet_console, rejects, user_prompts, write_jsonl
 from tests.datagen_server import SCRIPTED_MODEL, ScriptedServer, echo
@@ -25,9 +27,9 @@ TWO_TURNS = {
     "id": "two",
     "messages": [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": "old first"},
         {"role": "user", "content": "truncated please"},
+        {"role": "assistant", "content": "old first"},
+        {"role": "user", "content": "hello"},
         {"role": "assistant", "content": "old second"},
     ],
 }
@@ -70,12 +72,14 @@ def test_each_turn_is_asked_on_the_regenerated_history_with_the_run_s_settings(
     console = terminal_console()
     report = run_datagen(config, console)
 
-    first_answer = echo([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}])
+    first_answer = echo(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "truncated please"}]
+    )
     history = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": first_answer},
         {"role": "user", "content": "truncated please"},
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": "hello"},
     ]
     asked = [(history[:2], "two", 2), (history, "two", 4), ([ONE_TURN["messages"][0]], "one", 1)]
     assert scripted.bodies == [
@@ -96,13 +100,16 @@ def test_each_turn_is_asked_on_the_regenerated_history_with_the_run_s_settings(
         {"role": "assistant", "content": echo(history), "reasoning_content": None}
     ]
     assert rows["two"]["reasoning_content"] == [None] * 5
-    assert rows["two"]["finish_reasons"] == ["stop", "length"] and rows["one"]["finish_reasons"] == [
+    assert rows["two"]["finish_reasons"] == ["length", "stop"] and rows["one"]["finish_reasons"] == [
         "unknown"
     ]
     assert (rows["two"]["model"], rows["two"]["seed"], rows["two"]["temperature"]) == (SCRIPTED_MODEL, 7, 0.5)
     assert (report.done, report.failed, report.completion_tokens, report.truncated) == (2, 0, 9, 1)
     assert report.model == SCRIPTED_MODEL and report.exit_code == 0
     assert [(s.url, s.requests, s.peak_in_flight) for s in report.servers] == [(scripted.url, 3, 1)]
+    # the progress bar counts the run's records: its last frame has them all
+    frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", log_of(console))
+    assert re.search(r"datagen ━+ 2/2 0 failed", frames), frames
     assert plain_line(console, "datagen: 2 records") == (
         f"datagen: 2 records to generate (0 already done) with {SCRIPTED_MODEL!r} on 1 server(s), 1 in flight each"
     )
@@ -176,7 +183,8 @@ def test_an_outage_fails_the_records_it_met_stops_once_and_leaves_the_rest_pendi
     assert report.stopped_by == "outage" and report.exit_code == 1
     (stopping,) = [line for line in log_of(console).splitlines() if "stopping" in line]
     assert stopping.startswith(f"datagen: stopping: no server reachable for 0 s: last error {server.url}: ")
-    assert [entry["id"] for entry in rejects(tmp_path / "out")] == ["h"]
+    (entry,) = rejects(tmp_path / "out")
+    assert entry["id"] == "h" and entry["reason"] == stopping.removeprefix("datagen: stopping: ")
 
 
 def test_a_stop_signal_abandons_the_records_in_flight(tmp_path: Path) -> None:
@@ -185,13 +193,24 @@ def test_a_stop_signal_abandons_the_records_in_flight(tmp_path: Path) -> None:
     server = ScriptedServer(delay_s=1.0).start()
     prompts = write_jsonl(tmp_path / "p.jsonl", user_prompts(4))
     config = make_config(prompts, tmp_path / "out", [server.url], concurrency=2)
-    timer = threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGTERM))
+    finished = threading.Event()
+
+    def stop_once_both_are_asked() -> None:
+        """Only while the run answers (its handler installed): a SIGTERM after a run that failed
+        early would end the test process itself."""
+        while len(server.requests) < 2:
+            if finished.wait(0.01):
+                return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_once_both_are_asked)
     started = time.monotonic()
-    timer.start()
+    stopper.start()
     try:
         report = run_datagen(config, quiet_console())
     finally:
-        timer.join()
+        finished.set()
+        stopper.join()
         server.stop()
     assert time.monotonic() - started < 0.95
     assert (report.done, report.failed, report.unfinished) == (0, 0, 4)
@@ -253,3 +272,17 @@ def test_prompt_files_with_no_usable_record_are_all_named(tmp_path: Path) -> Non
         f"datagen.prompts: no usable prompt records in {first}, {second} (2 malformed, 0 duplicate ids)"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_the_configured_model_is_asked_for_and_one_no_server_serves_is_refused(
+    scripted: ScriptedServer, tmp_path: Path
+) -> None:
+    scripted.models = [{"id": "first"}, {"id": "second"}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [ONE_TURN])
+    report = run_datagen(
+        make_config(prompts, tmp_path / "out", [scripted.url], model="second"), quiet_console()
+    )
+    assert report.model == "second" and [body["model"] for body in scripted.bodies] == ["second"]
+    assert [row["model"] for row in output_rows(tmp_path / "out")] == ["second"]
+    with pytest.raises(NoServerReachable, match="'third' is not served by every server"):
+        run_datagen(make_config(prompts, tmp_path / "other", [scripted.url], model="third"), quiet_console())
