@@ -223,8 +223,9 @@ def test_a_rerun_owes_the_rest_and_carries_only_the_rejects_still_pending(tmp_pa
         answer(run, 0)
         run.failed(run.pending[1], "first failure")
         run.failed(run.pending[2], "second failure")
-    run.finish()
+    first = run.finish()
     store.close()
+    assert (first.done, first.failed, first.unfinished, first.rejected) == (1, 2, 1, 2)  # each failure counts
     # p2 was answered since by hand: its reject is no longer carried
     rows = output_rows(tmp_path / "out")
     store.open()
