@@ -312,3 +312,14 @@ def test_the_malformed_and_repeated_records_are_counted(tmp_path: Path) -> None:
         assert (run.report.input, run.report.malformed, run.report.duplicate) == (3, 1, 1)
     finally:
         store.close()
+
+
+def test_an_event_line_on_a_colour_terminal_is_its_text_unhighlighted(tmp_path: Path) -> None:
+    """rich would colour the numbers, URLs and brackets of a line on a terminal: a server's error body
+    is shown as it came, with no styles."""
+    run, store, _ = regeneration(tmp_path, 1)
+    store.close()
+    terminal = io.StringIO()
+    run.console = Console(file=terminal, width=400, force_terminal=True, color_system="truecolor")
+    run.log("server http://127.0.0.1:8000 failed: HTTP 500 [/INST] {'retry': 2}")
+    assert terminal.getvalue() == "datagen: server http://127.0.0.1:8000 failed: HTTP 500 [/INST] {'retry': 2}\n"
