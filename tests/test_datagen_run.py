@@ -322,4 +322,6 @@ def test_an_event_line_on_a_colour_terminal_is_its_text_unhighlighted(tmp_path: 
     terminal = io.StringIO()
     run.console = Console(file=terminal, width=400, force_terminal=True, color_system="truecolor")
     run.log("server http://127.0.0.1:8000 failed: HTTP 500 [/INST] {'retry': 2}")
-    assert terminal.getvalue() == "datagen: server http://127.0.0.1:8000 failed: HTTP 500 [/INST] {'retry': 2}\n"
+    assert (
+        terminal.getvalue() == "datagen: server http://127.0.0.1:8000 failed: HTTP 500 [/INST] {'retry': 2}\n"
+    )
