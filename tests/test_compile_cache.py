@@ -425,6 +425,29 @@ def test_compile_dirs_pin_triton_to_the_ptxas_inductor_compiles_with(monkeypatch
         compile_tasks._set_triton_ptxas_path.cache_clear()
 
 
+def test_pinning_ptxas_rekeys_triton_in_a_process_that_compiled_before(monkeypatch, tmp_path, persistent_tmp):
+    """Triton keys a kernel by the ptxas version, which it memoizes per process from the first ptxas
+    it asked: after the pin, the key must come from the pinned ptxas, or build-cache in a process that
+    compiled before bakes the loss kernel under a key a fresh start never looks up."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    def ptxas_of_release(release: str) -> str:
+        path = tmp_path / f"ptxas-{release}"
+        path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.0'\n")
+        path.chmod(0o755)
+        return str(path)
+
+    monkeypatch.setenv("TRITON_PTXAS_PATH", ptxas_of_release("12.8"))
+    get_ptxas_version.cache_clear()
+    try:
+        assert "release 12.8" in get_ptxas_version(90)  # a kernel compiled before the pin
+        monkeypatch.setenv("TRITON_PTXAS_PATH", ptxas_of_release("13.0"))  # the ptxas the pin names
+        use_compile_dirs(persistent_tmp / "inductor", persistent_tmp / "triton")
+        assert "release 13.0" in get_ptxas_version(90)
+    finally:
+        get_ptxas_version.cache_clear()
+
+
 def test_each_key_builds_and_starts_in_its_own_inductor_dir(built, tmp_path):
     """Inductor looks for a kernel's tuned launch config beside the source path pickled at build
     time, so build and start share one path per key, and the build starts from an empty one."""

@@ -109,7 +109,14 @@ def pin_triton_ptxas() -> None:
     same kernel compiled after it. The GPU tier's build-cache ran in a process that had compiled
     before: it baked the loss's kernel under torch's ptxas, and a fresh start looked it up under
     Triton's own and compiled it again. Pinned here, in build-cache and at every start, each kernel
-    has one key whatever compiled first. The function is inductor's, so the choice stays torch's."""
+    has one key whatever compiled first. The function is inductor's, so the choice stays torch's.
+
+    Triton also memoizes the ptxas version per process, from whichever ptxas it asked first: a
+    process that compiled a Triton kernel before the pin (the GPU tier's tests before its
+    build-cache) kept the old version in every later key, so the baked loss kernel missed at a fresh
+    start. The pin forgets that memo, and the next key asks the pinned ptxas."""
     from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    from triton.backends.nvidia.compiler import get_ptxas_version
 
     _set_triton_ptxas_path()
+    get_ptxas_version.cache_clear()
