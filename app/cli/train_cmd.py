@@ -143,15 +143,25 @@ def _train_rank(run_config, resume: bool) -> None:
 def _report_failure(runtime, error: BaseException) -> bool:
     """Record the job's first failure in the store (every watchdog reads it) and say who failed.
 
-    Returns True when this rank's failure is the job's first (not a consequence of another's).
+    Returns True when this rank's failure is the job's first (not a consequence of another's). An
+    error that only says a peer of a collective left (`lost_a_peer`) is never the first: a drafter in
+    DDP's all-reduce sees a reset when another drafter exits, and could record it before the rank that
+    saw the real cause (a killed target) does; it waits for that record, and writes no error file.
     """
+    from app.pipeline.distributed import lost_a_peer
     from app.pipeline.roles import describe_rank
 
     layout = runtime.layout
     cause = f"{type(error).__name__}: {_first_line(error)}"
     peer = getattr(error, "peer_rank", None)  # a transport error caused by a lost peer blames the peer
+    unnamed_peer = peer is None and lost_a_peer(error)
+    if unnamed_peer:  # the rank that saw why the peer left (or the watchdog) records it in the meantime
+        runtime.side.wait_failure(FOLLOWER_EXIT_DELAY_S)
     blamed = peer if peer is not None else layout.rank
     first = runtime.side.post_failure(blamed, cause if blamed == layout.rank else f"lost ({cause})")
+    if first["rank"] == layout.rank and unnamed_peer:
+        _print(f"dflash: {layout.name} stops: a peer left the job ({cause})")
+        return False  # no error file: torchrun then names the rank that left, by when it exited
     if first["rank"] == layout.rank:
         _print(f"dflash: {layout.name} failed: {cause}")
         return True

@@ -59,6 +59,22 @@ class Runtime:
             dist.destroy_process_group()
 
 
+LOST_PEER_SIGNS = (
+    "Connection reset by peer",  # gloo: the peer's socket closed mid-read (it died or exited)
+    "Connection closed by peer",  # gloo: an orderly close from a peer that left
+    "Broken pipe",  # gloo: a write to a peer that is gone
+    "remote process exited",  # NCCL: its remote-error text
+)
+"""What a collective's or a receive's error says when its other end went away."""
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """True for an error that only says a peer of a collective left the job: a consequence of another
+    rank's failure (killed, or exiting on its own error), never a job's first failure. It names no
+    rank (gloo's pair errors give an address), so the rank that saw why must be the one to say it."""
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in LOST_PEER_SIGNS)
+
+
 def wants_distributed(config: RunConfig) -> bool:
     """True when the topology lays out more than one process (run under torchrun)."""
     return config.topology.nnodes * config.topology.nproc_per_node > 1

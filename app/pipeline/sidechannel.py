@@ -90,6 +90,13 @@ class SideChannel:
             return None
         return json.loads(self.store.get("failure"))
 
+    def wait_failure(self, timeout_s: float, poll_s: float = 0.05) -> dict[str, Any] | None:
+        """The job's first failure once one is recorded, or None after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (failure := self.failure()) is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        return failure
+
     # ---- start and end ------------------------------------------------------------------------------
 
     def publish_start(self, start: StartPoint) -> None:
