@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,7 @@ def test_the_model_column_names_the_target(tiny_lm_dir: Path) -> None:
     ("datagen", "refusal"),
     [
         ({"top_p": 0.99}, "datagen.top_p: the local engine samples from the whole distribution; set it to 1"),
-        ({"prompts": []}, "datagen.prompts: no usable prompt records in "),
+        ({"prompts": []}, "datagen.prompts: no usable prompt records in {tmp_path}/none.jsonl"),
     ],
 )
 def test_a_refusal_leaves_the_output_directory_alone(tmp_path: Path, datagen: dict, refusal: str) -> None:
@@ -114,7 +115,9 @@ def test_a_refusal_leaves_the_output_directory_alone(tmp_path: Path, datagen: di
         datagen = {"prompts": [str(write_jsonl(tmp_path / "none.jsonl", [{"text": "no messages"}]))]}
     with pytest.raises(UserError) as refused:
         run_local_datagen(config(tmp_path, **datagen), quiet_console())
-    assert str(refused.value).startswith(refusal) and not Path(run.datagen.output_dir).exists()
+    assert (
+        str(refused.value) == refusal.format(tmp_path=tmp_path) and not Path(run.datagen.output_dir).exists()
+    )
 
 
 def test_a_sampled_run_draws_from_datagen_seed_and_its_shortest_prompt_s_id(
@@ -170,6 +173,8 @@ def test_a_run_says_what_it_answers_counts_its_tokens_and_a_rerun_has_nothing_le
     (decode,) = [line for line in log.splitlines() if "decode: " in line]
     # (after the progress bar's cursor-show sequence)
     assert "\x1b" not in decode[decode.index("decode: ") :] and "answer tokens in" in decode
+    bar = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", log)  # the progress bar without its colours
+    assert re.search(r"datagen \S* 6/6 0 failed", bar), bar[-600:]  # it counts the records to answer
     # the counts are the target's greedy answers': every token generated (a stop token too), and
     # the answers cut at max_tokens
     tokenizer = AutoTokenizer.from_pretrained(tiny_lm_dir)
@@ -185,7 +190,12 @@ def test_a_run_says_what_it_answers_counts_its_tokens_and_a_rerun_has_nothing_le
         )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         references.append(greedy_reference(target, ids, 12, tokenizer.eos_token_id))
-        assert row["messages"][0]["reasoning_content"] is None and row["reasoning_content"] == [None, None]
+        user, answer = (message["content"] for message in row["messages"])
+        assert row["messages"] == [  # the roles the rendering and the answer give, no reasoning
+            {"role": "user", "content": user, "reasoning_content": None},
+            {"role": "assistant", "content": answer, "reasoning_content": None},
+        ]
+        assert row["reasoning_content"] == [None, None]
     stopped = [reference[-1] == tokenizer.eos_token_id for reference in references]
     assert report.completion_tokens == sum(map(len, references))
     assert report.truncated == stopped.count(False) and 0 < report.truncated < 6
@@ -195,6 +205,44 @@ def test_a_run_says_what_it_answers_counts_its_tokens_and_a_rerun_has_nothing_le
     again = run_local_datagen(run, console)
     assert (again.done, again.failed, again.resumed) == (0, 1, 6)
     assert "datagen: nothing to generate (6 already done)" in console.file.getvalue()
+
+
+def test_an_answer_of_special_tokens_only_is_a_reject_not_an_empty_record(
+    tmp_path: Path, tiny_lm_dir: Path
+) -> None:
+    """The tiny target's first answer token of every prompt made a special token of its tokenizer: a
+    one-token answer decodes (special tokens skipped) to nothing, which is no training record: each
+    such record goes to the rejects with the reason, for a rerun to retry."""
+    import json
+    import shutil
+
+    from tokenizers import AddedToken
+
+    from app.model.loading import load_tokenizer
+
+    target_dir = tmp_path / "target"
+    shutil.copytree(tiny_lm_dir, target_dir)
+    run = config(tmp_path, target={"path": str(target_dir)}, max_tokens=1)
+    tokenizer = load_tokenizer(run)
+    target = load_target(run, "cpu")
+    records = [r for r in load_prompts(run.datagen.prompts).records if r.id != "multi"]
+    firsts = {
+        greedy_reference(target, render_prompt(r, tokenizer, run), 1, tokenizer.eos_token_id)[0]
+        for r in records
+    }
+    firsts.discard(tokenizer.eos_token_id)  # a stop token ends an answer empty already
+    assert firsts, "the tiny target stops at once on every prompt: no special token to make"
+    added = [AddedToken(tokenizer.convert_ids_to_tokens(first), special=True) for first in sorted(firsts)]
+    tokenizer.add_tokens(added, special_tokens=True)
+    assert tokenizer.convert_tokens_to_ids([token.content for token in added]) == sorted(firsts)  # ids kept
+    tokenizer.save_pretrained(target_dir)
+
+    report = run_local_datagen(run, quiet_console())
+    assert (report.done, report.failed) == (0, 7) and not rows(tmp_path / "out")
+    rejects = [json.loads(line) for line in (tmp_path / "out" / ".datagen" / "rejects.jsonl").open()]
+    assert {reject["id"]: reject["reason"] for reject in rejects if reject["id"] != "multi"} == {
+        record.id: "the target answered nothing" for record in records
+    }
 
 
 def test_without_a_console_the_lines_go_to_stderr_uncut(

@@ -244,6 +244,15 @@ def test_the_local_engine_refuses_a_rerun_with_any_one_setting_changed(finished_
         run_local_datagen(config(finished_local_run, **{"max_tokens": 4, key: value}), quiet_console())
 
 
+def test_the_local_engine_refuses_a_rerun_with_another_target(finished_local_run, tiny_lm_dir):
+    """The same weights under another name are another model: the records name the one that wrote them."""
+    other = config(finished_local_run, target={"path": str(tiny_lm_dir)}, max_tokens=4)
+    with pytest.raises(
+        UserError, match=re.escape(f"other settings (model 'builtin:tiny-lm' -> '{tiny_lm_dir}')")
+    ):
+        run_local_datagen(other, quiet_console())
+
+
 def test_bench_decode_streams_the_config_s_prompts_and_profiles_its_step(tmp_path, tiny_lm_dir):
     """`dflash bench decode` on the local engine's own path: the prompts it renders (the two-turn record
     refused as datagen refuses it), the decode line, the step alone against the stream's, and a profile
