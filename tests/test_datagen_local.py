@@ -106,13 +106,20 @@ def test_the_model_column_names_the_target(tiny_lm_dir: Path) -> None:
     ("datagen", "refusal"),
     [
         ({"top_p": 0.99}, "datagen.top_p: the local engine samples from the whole distribution; set it to 1"),
-        ({"prompts": []}, "datagen.prompts: no usable prompt records in {tmp_path}/none.jsonl"),
+        (
+            {"prompts": []},
+            "datagen.prompts: no usable prompt records in {tmp_path}/a.jsonl, {tmp_path}/b.jsonl",
+        ),
     ],
 )
 def test_a_refusal_leaves_the_output_directory_alone(tmp_path: Path, datagen: dict, refusal: str) -> None:
     run = config(tmp_path)
     if "prompts" in datagen:
-        datagen = {"prompts": [str(write_jsonl(tmp_path / "none.jsonl", [{"text": "no messages"}]))]}
+        datagen = {
+            "prompts": [
+                str(write_jsonl(tmp_path / f"{name}.jsonl", [{"text": "no messages"}])) for name in "ab"
+            ]
+        }
     with pytest.raises(UserError) as refused:
         run_local_datagen(config(tmp_path, **datagen), quiet_console())
     assert (
@@ -207,12 +214,14 @@ def test_a_run_says_what_it_answers_counts_its_tokens_and_a_rerun_has_nothing_le
     assert "datagen: nothing to generate (6 already done)" in console.file.getvalue()
 
 
-def test_an_answer_of_special_tokens_only_is_a_reject_not_an_empty_record(
-    tmp_path: Path, tiny_lm_dir: Path
+@pytest.mark.parametrize("made", ["special", "stop"])
+def test_an_answer_that_decodes_to_nothing_is_a_reject_not_an_empty_record(
+    tmp_path: Path, tiny_lm_dir: Path, made: str
 ) -> None:
-    """The tiny target's first answer token of every prompt made a special token of its tokenizer: a
-    one-token answer decodes (special tokens skipped) to nothing, which is no training record: each
-    such record goes to the rejects with the reason, for a rerun to retry."""
+    """The tiny target's first answer token of every prompt made a special token of its tokenizer (its
+    one-token answers decode, special tokens skipped, to nothing) or a stop token of its generation
+    config (the answers end at once, the stop token cut): no training record, each one a reject with
+    the reason, for a rerun to retry."""
     import json
     import shutil
 
@@ -222,7 +231,7 @@ def test_an_answer_of_special_tokens_only_is_a_reject_not_an_empty_record(
 
     target_dir = tmp_path / "target"
     shutil.copytree(tiny_lm_dir, target_dir)
-    run = config(tmp_path, target={"path": str(target_dir)}, max_tokens=1)
+    run = config(tmp_path, target={"path": str(target_dir)}, max_tokens=1 if made == "special" else 12)
     tokenizer = load_tokenizer(run)
     target = load_target(run, "cpu")
     records = [r for r in load_prompts(run.datagen.prompts).records if r.id != "multi"]
@@ -231,11 +240,19 @@ def test_an_answer_of_special_tokens_only_is_a_reject_not_an_empty_record(
         for r in records
     }
     firsts.discard(tokenizer.eos_token_id)  # a stop token ends an answer empty already
-    assert firsts, "the tiny target stops at once on every prompt: no special token to make"
-    added = [AddedToken(tokenizer.convert_ids_to_tokens(first), special=True) for first in sorted(firsts)]
-    tokenizer.add_tokens(added, special_tokens=True)
-    assert tokenizer.convert_tokens_to_ids([token.content for token in added]) == sorted(firsts)  # ids kept
-    tokenizer.save_pretrained(target_dir)
+    assert firsts, "the tiny target stops at once on every prompt: no token to make special"
+    if made == "special":
+        added = [AddedToken(tokenizer.convert_ids_to_tokens(first), special=True) for first in sorted(firsts)]
+        tokenizer.add_tokens(added, special_tokens=True)
+        assert tokenizer.convert_tokens_to_ids([token.content for token in added]) == sorted(
+            firsts
+        )  # ids kept
+        tokenizer.save_pretrained(target_dir)
+    else:
+        assert not firsts & set(tokenizer.all_special_ids)  # only the cut keeps them out of the text
+        generation = json.loads((target_dir / "generation_config.json").read_text())
+        generation["eos_token_id"] = [tokenizer.eos_token_id, *sorted(firsts)]
+        (target_dir / "generation_config.json").write_text(json.dumps(generation))
 
     report = run_local_datagen(run, quiet_console())
     assert (report.done, report.failed) == (0, 7) and not rows(tmp_path / "out")
@@ -243,6 +260,22 @@ def test_an_answer_of_special_tokens_only_is_a_reject_not_an_empty_record(
     assert {reject["id"]: reject["reason"] for reject in rejects if reject["id"] != "multi"} == {
         record.id: "the target answered nothing" for record in records
     }
+
+
+def test_a_system_prompt_is_rendered_and_kept_in_the_record(tmp_path: Path, tiny_lm_dir: Path) -> None:
+    import json
+
+    first = json.loads(write_prompts(tmp_path / "prompts.jsonl").read_text().splitlines()[0])
+    user = first["messages"][0]  # the tiny target's own kind of prompt: it answers it
+    record = {"id": "s", "messages": [{"role": "system", "content": "Be brief."}, user]}
+    prompts = write_jsonl(tmp_path / "system.jsonl", [record])
+    run_local_datagen(config(tmp_path, prompts=[str(prompts)]), quiet_console())
+    (row,) = rows(tmp_path / "out")
+    assert [(message["role"], message["content"]) for message in row["messages"][:2]] == [
+        ("system", "Be brief."),
+        ("user", user["content"]),
+    ]
+    assert row["messages"][2]["role"] == "assistant" and len(row["messages"]) == 3
 
 
 def test_without_a_console_the_lines_go_to_stderr_uncut(
