@@ -186,3 +186,87 @@ def test_each_math_family_writes_the_same_problems_for_a_seed_as_before() -> Non
         if hashlib.sha256("\n".join(problems).encode()).hexdigest()[:16] != expected:
             changed[family] = problems[0]
     assert not changed, f"these families now write other problems (the first shown): {changed}"
+
+
+def test_a_record_is_its_fields_and_its_id_comes_from_its_turns(corpus_dir: Path) -> None:
+    import hashlib
+
+    for split in ("train", "heldout"):
+        text = (corpus_dir / f"{split}.jsonl").read_text(encoding="utf-8")
+        for record in map(json.loads, text.splitlines()):
+            assert list(record) == ["id", "domain", "source", "mode", "messages"]
+            turns = "\x00".join(f"{m['role']}\x00{m['content']}" for m in record["messages"])
+            assert record["id"] == f"{record['domain']}-{hashlib.sha256(turns.encode()).hexdigest()[:16]}"
+            assert [m["role"] for m in record["messages"]] == (
+                ["system", "user"] if record["mode"] == "system" else ["user"]
+            )
+            assert record["mode"] in ("system", "plain")
+            assert all(group.count(":") == 1 for group in record["source"].split("+"))
+    texts = (corpus_dir / "train.jsonl").read_text(encoding="utf-8")
+    assert any(ord(character) > 127 for character in texts) and "\\u" not in texts  # UTF-8, not escapes
+
+
+def test_the_manifest_says_how_the_corpus_was_made_and_what_its_files_hold(corpus_dir: Path) -> None:
+    import hashlib
+
+    from app.datagen.corpus.build import HELDOUT_FRACTION
+    from app.datagen.corpus.code import installed_packages
+
+    raw = (corpus_dir / "manifest.json").read_text()
+    manifest = json.loads(raw)
+    assert raw == json.dumps(manifest, indent=2, sort_keys=True) + "\n"  # a stable, readable file
+    assert (manifest["seed"], manifest["count"], manifest["heldout_fraction"]) == (7, COUNT, HELDOUT_FRACTION)
+    assert manifest["packages"] == [name for name, _ in installed_packages()]
+    assert manifest["sha256"] == {
+        name: hashlib.sha256((corpus_dir / name).read_bytes()).hexdigest() for name in FILES[:2]
+    }
+
+
+def test_the_held_out_sources_of_a_seed_are_the_same_on_every_machine(corpus_dir: Path) -> None:
+    """Which math families, prose topics and templates and HumanEval groups a seed holds out does not
+    depend on what is installed (the packages do): evals of one seed compare across machines."""
+    held = json.loads((corpus_dir / "manifest.json").read_text())["heldout_sources"]
+    assert sorted(source for source in held if not source.startswith(("code/pkg:", "prose/docs:"))) == [
+        "code/humaneval:g0",
+        "math/family:growth",
+        "math/family:savings",
+        "prose/template:0",
+        "prose/template:1",
+        "prose/template:2",
+        "prose/template:5",
+        "prose/topics:everyday-life",
+        "prose/topics:space",
+    ]
+    packages = json.loads((corpus_dir / "manifest.json").read_text())["packages"]
+    held_packages = [source for source in held if source.startswith("code/pkg:")]
+    assert len(held_packages) == max(1, round(0.1 * len(packages)))
+    assert sorted(f"prose/docs:{s.split(':')[1]}" for s in held_packages) == sorted(
+        source for source in held if source.startswith("prose/docs:")
+    )  # a held-out package takes its module docstrings with it
+
+
+def test_a_corpus_is_staged_beside_its_files_and_written_with_a_plain_file_s_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_fsync, staged = os.fsync, []
+
+    def note_the_staged_file(fd: int) -> None:
+        staged.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    out = tmp_path / "new" / "corpus"  # its parent does not exist yet
+    monkeypatch.setattr(os, "fsync", note_the_staged_file)
+    previous = os.umask(0o027)
+    try:
+        write_corpus(out, seed=7, count=COUNT)
+    finally:
+        os.umask(previous)
+    *files, directory = staged  # each file fsynced under its temp name, then the renames
+    assert directory == str(out) and [Path(path).parent for path in files] == [out] * 3
+    assert [Path(path).name.split(".")[1:3] for path in files] == [
+        ["train", "jsonl"],
+        ["heldout", "jsonl"],
+        ["manifest", "json"],
+    ]
+    assert all(Path(path).name.startswith(".") and path.endswith(".tmp") for path in files)
+    assert {name: (out / name).stat().st_mode & 0o777 for name in FILES} == dict.fromkeys(FILES, 0o640)
