@@ -18,8 +18,10 @@ COUNT = 1000
 FILES = ("train.jsonl", "heldout.jsonl", "manifest.json")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built for each test (a quarter of a second): a mutation run counts a module-scoped fixture's
+    calls to the first test only, and would not run the others against a mutant of the builder."""
     out = tmp_path_factory.mktemp("corpus")
     write_corpus(out, seed=7, count=COUNT)
     return out
