@@ -194,6 +194,11 @@ def test_collect_takes_each_row_s_tokens_from_its_answer_s_first_step(model):
     assert held == [None, None, None]
     held = [_Row(2, 30, [])]
     assert list(batch._collect([[1, 2]], held, 16, {50})) == [] and held[0].answer == []
+    # a free row before a held one (its answer ended earlier, the queue is empty): the rows after it
+    # are still read, else their answers would never end
+    held = [None, _Row(3, 16, [])]
+    assert list(batch._collect([[0] * 6, [7, 50, 1, 1, 1, 1]], held, 16, {50})) == [(3, [7, 50])]
+    assert held == [None, None]
 
 
 def test_a_row_s_answer_ends_at_a_stop_token_or_the_limit():
@@ -237,6 +242,11 @@ def test_generate_decoder_answers_in_batches_of_rows(model):
     generate = GenerateDecoder(model, shape, [stop], pad_token_id=3)
     assert generate.decode(PROMPTS[:3]) == [plain_decode(model, p, 5, {stop}) for p in PROMPTS[:3]]
     assert GenerateDecoder(model, shape, []).decode(PROMPTS[:3]) == free
+    # the defaults: pad 0, and an empty stop list still a long tensor (`torch.tensor([])` alone is
+    # float, which a caller comparing it with token ids would have to convert)
+    plain = GenerateDecoder(model, shape, [])
+    assert plain.pad_token_id == 0
+    assert (plain.stop_ids.dtype, plain.stop_ids.tolist()) == (torch.long, [])
 
 
 def test_the_warm_up_reads_the_default_pad_token_0_and_decodes_eagerly_without_a_compiled_step(model):
@@ -250,6 +260,16 @@ def test_the_warm_up_reads_the_default_pad_token_0_and_decodes_eagerly_without_a
     counted = Counted(ring)
     BatchDecoder(ring, [], compiled=counted).warm_up()
     assert counted.chosen[0][0] == plain_decode(model, [0, 0], 1)[0]
+
+
+def test_a_sampling_warm_up_draws_from_its_own_generator_not_torch_s_global_one(model):
+    """The warm-up's prefill draws sampling noise; from a generator of its own, so that warming a
+    decoder up leaves the process's seeded random stream (a training run's, a test's) where it was."""
+    hot, counted = decoder(model, rows=2, prompt_tokens=5, new_tokens=4, temperature=1.0)
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    hot.warm_up()
+    assert len(counted.steps) == 1 and torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_the_default_seed_is_0(model):
