@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from app.errors import UserError
+from app.generate.attention import packed_decode_attention
 from app.generate.decoder import BatchDecoder
 from app.generate.step import DecodeShape, RingStep
+from app.generate.transformers_internals import attention_implementation
 from tests.test_generate_units import PROMPTS, VOCAB, model, plain_decode  # noqa: F401 (a fixture)
 from tests.test_speculative import HYBRID_LINEAR, random_target_config, target_and_drafter
 
@@ -49,7 +52,9 @@ def test_a_target_a_static_attention_cache_cannot_hold_is_refused_by_name():
 def test_query_heads_per_kv_head(model):  # noqa: F811
     """4 query heads over 2 KV heads: 2 a KV head; a config without `num_key_value_heads` (GPT-2) has
     one KV head per query head."""
-    assert RingStep(model, DecodeShape(2, 4, 3), temperature=0.0, block_sparse=True).query_group == 2
+    grouped = RingStep(model, DecodeShape(2, 4, 3), temperature=0.0, block_sparse=True).query_group
+    # a count: the block mask's query length (`ring_blocks`), which a float would make a float shape
+    assert grouped == 2 and type(grouped) is int
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB))
     assert not hasattr(gpt2.config, "num_key_value_heads")
     step = RingStep(gpt2, DecodeShape(2, 4, 3, ring_block=4), temperature=0.0, block_sparse=False)
@@ -66,6 +71,26 @@ def test_the_block_sparse_step_answers_as_the_dense_mask(model):  # noqa: F811
     sparse = BatchDecoder(RingStep(model, shape, temperature=0.0, block_sparse=True), [])
     assert sparse.decode(PROMPTS[:4]) == [plain_decode(model, p, 6) for p in PROMPTS[:4]]
     assert sparse.stats.steps > shape.cache_length  # the ring wrapped
+
+
+def test_a_block_sparse_step_hands_its_attention_a_flex_block_mask_and_a_dense_one_a_tensor(model):  # noqa: F811
+    """Which mask each step builds, seen by the attention itself (the packed attention, wrapped): both
+    answer alike, so only this tells that the block-sparse step does read the ring by blocks."""
+    seen = []
+
+    def recording(module, query, key, value, attention_mask, *args, **kwargs):
+        seen.append(type(attention_mask))
+        return packed_decode_attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    shape = DecodeShape(rows=2, max_prompt_tokens=4, max_new_tokens=4, ring_block=4)
+    prompts = torch.tensor([[5, 17, 42, 0], [8, 0, 0, 0]])
+    for block_sparse, mask in ((True, BlockMask), (False, torch.Tensor)):
+        ring = RingStep(model, shape, temperature=0.0, block_sparse=block_sparse)
+        seen.clear()
+        with torch.inference_mode(), attention_implementation(model, "recorded_decode", recording):
+            zeros = torch.zeros(2, dtype=torch.long)
+            ring(zeros, prompts, torch.tensor([3, 1]), zeros, torch.tensor(0), None)
+        assert seen == [mask]
 
 
 def test_pick_is_the_argmax_or_the_gumbel_max_at_the_temperature(model):  # noqa: F811

@@ -255,6 +255,9 @@ def test_the_warm_up_reads_the_default_pad_token_0_and_decodes_eagerly_without_a
     )
     eager = BatchDecoder(ring, [])
     assert eager.pad_token_id == 0 and eager.step is not ring  # the ring under `eagerly`
+    # before any stream: empty figures, and no stop token, still as token ids (long, not float)
+    assert eager.stats == DecodeStats() and eager.stats.describe().startswith("decode: 0 answer tokens")
+    assert (eager.stop_ids.dtype, eager.stop_ids.tolist()) == (torch.long, [])
     eager.warm_up()
     assert eager.decode(PROMPTS[:3]) == [plain_decode(model, p, 4) for p in PROMPTS[:3]]
     counted = Counted(ring)
