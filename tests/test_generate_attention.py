@@ -51,6 +51,19 @@ def test_a_prefill_and_one_kv_head_per_query_head_are_sdpa_s(model):  # noqa: F8
         assert got.shape == (2, length, heads, 8)
 
 
+def test_a_prefill_passes_sdpa_the_layer_s_other_arguments(model):  # noqa: F811
+    """What the layer hands on besides the tensors (here `is_causal`) reaches SDPA: without a mask,
+    is_causal=False reads every key, which the layer's own causal default would not."""
+    module = model.get_decoder().layers[0].self_attn
+    assert module.is_causal
+    query, key, value = tensors(2, 4, 2, 3, 3)
+    got, _ = attention.packed_decode_attention(module, query, key, value, None, scaling=0.3, is_causal=False)
+    reference, _ = sdpa_attention_forward(module, query, key, value, None, 0.0, 0.3, is_causal=False)
+    causal, _ = sdpa_attention_forward(module, query, key, value, None, 0.0, 0.3)
+    torch.testing.assert_close(got, reference)
+    assert not torch.allclose(got, causal)
+
+
 def test_over_a_flex_block_mask_the_packed_queries_see_what_the_dense_mask_shows(model):  # noqa: F811
     """The compiled step's path: each KV head's query heads packed as its queries, flex attention over
     the block mask (eager here: the mask applied to every slot)."""
@@ -107,6 +120,9 @@ def test_ring_blocks_defaults_to_one_query_and_stays_on_the_step_s_device():
     assert mask.seq_lengths == (1, 16)
     assert (mask.kv_num_blocks.dtype, mask.kv_indices.dtype) == (torch.int32, torch.int32)
     assert mask.kv_num_blocks.view(-1).tolist() == [4, 2]
+    # flex's layout: [rows, heads, query blocks] and [rows, heads, query blocks, KV blocks], one head
+    # and one query block (the packed queries), which a compiled step reads by position
+    assert (mask.kv_num_blocks.shape, mask.kv_indices.shape) == ((2, 1, 1), (2, 1, 1, 4))
     meta = torch.device("meta")
     on_meta = attention.ring_blocks(
         torch.tensor([0, 9], device=meta), torch.tensor(12, device=meta), 16, 4, lambda row, slot: slot >= 0

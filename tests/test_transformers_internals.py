@@ -65,3 +65,18 @@ def test_wrapping_the_write_position_moves_the_static_cache_s_next_write(target)
 def test_only_a_plain_attention_target_counts_as_a_plain_static_cache(target):
     hybrid = target_and_drafter(random_target_config("qwen3_5_text", **HYBRID_LINEAR))[0]
     assert plain_attention_cache(target.model) and not plain_attention_cache(hybrid.model)
+
+
+def test_a_layer_type_with_no_static_cache_layer_is_not_plain(target):
+    """A layer type transformers allows but has no static cache layer for (`window_attention`):
+    building the probe cache fails, and the target is not a plain attention one."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.model.config)
+    config.layer_types = ["window_attention"] * config.num_hidden_layers
+    windowed = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(KeyError):
+        static_cache(windowed, 4)
+    assert not plain_attention_cache(windowed)
