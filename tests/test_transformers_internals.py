@@ -67,16 +67,25 @@ def test_only_a_plain_attention_target_counts_as_a_plain_static_cache(target):
     assert plain_attention_cache(target.model) and not plain_attention_cache(hybrid.model)
 
 
-def test_a_layer_type_with_no_static_cache_layer_is_not_plain(target):
-    """A layer type transformers allows but has no static cache layer for (`window_attention`):
-    building the probe cache fails, and the target is not a plain attention one."""
+def test_sliding_window_layers_and_a_layer_type_with_no_static_cache_layer_are_not_plain(target):
+    """A sliding-window layer has a static cache layer of its own (one mask over every slot would be
+    wrong for it); a layer type transformers allows but has no static cache layer for
+    (`window_attention`) fails the probe cache's making: neither target is a plain attention one."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    config = copy.deepcopy(target.model.config)
-    config.layer_types = ["window_attention"] * config.num_hidden_layers
-    windowed = AutoModelForCausalLM.from_config(config)
+    def with_layers(layer_type, **settings):
+        config = copy.deepcopy(target.model.config)
+        config.layer_types = [layer_type] * config.num_hidden_layers
+        for name, value in settings.items():
+            setattr(config, name, value)
+        return AutoModelForCausalLM.from_config(config)
+
+    sliding = with_layers("sliding_attention", sliding_window=4)
+    assert type(static_cache(sliding, 8).layers[0]) is not type(static_cache(target.model, 8).layers[0])
+    assert not plain_attention_cache(sliding)
+    windowed = with_layers("window_attention")
     with pytest.raises(KeyError):
         static_cache(windowed, 4)
     assert not plain_attention_cache(windowed)
