@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 from rich.console import Console
+from tokenizers import AddedToken
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer
 
@@ -222,11 +225,6 @@ def test_an_answer_that_decodes_to_nothing_is_a_reject_not_an_empty_record(
     one-token answers decode, special tokens skipped, to nothing) or a stop token of its generation
     config (the answers end at once, the stop token cut): no training record, each one a reject with
     the reason, for a rerun to retry."""
-    import json
-    import shutil
-
-    from tokenizers import AddedToken
-
     from app.model.loading import load_tokenizer
 
     target_dir = tmp_path / "target"
@@ -263,8 +261,6 @@ def test_an_answer_that_decodes_to_nothing_is_a_reject_not_an_empty_record(
 
 
 def test_a_system_prompt_is_rendered_and_kept_in_the_record(tmp_path: Path, tiny_lm_dir: Path) -> None:
-    import json
-
     first = json.loads(write_prompts(tmp_path / "prompts.jsonl").read_text().splitlines()[0])
     user = first["messages"][0]  # the tiny target's own kind of prompt: it answers it
     record = {"id": "s", "messages": [{"role": "system", "content": "Be brief."}, user]}

@@ -14,14 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from app.cli import train_cmd
 from app.cli.train_cmd import _report_failure
-from app.pipeline.distributed import Runtime, lost_a_peer
-from app.pipeline.roles import RankLayout
-from app.pipeline.sidechannel import SideChannel
+from app.pipeline.distributed import lost_a_peer
+from tests.test_metrics_gather import drafter_runtime  # drafter 0 (rank 1) of 1 target + 2 drafters
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,13 +40,6 @@ try:
 except Exception as error:
     print(json.dumps({"raised": type(error).__name__, "message": str(error), "lost": lost_a_peer(error)}))
 """
-
-
-def drafter_runtime() -> Runtime:
-    """Drafter 0 (rank 1) of a job of one target (rank 0) and two drafters, with an in-memory store."""
-    layout = RankLayout(1, 3, 1, 3, (0,), (1, 2))
-    side = SideChannel(dist.HashStore())
-    return Runtime(layout, torch.device("cpu"), None, None, None, None, side, None, 60.0)  # type: ignore[arg-type]
 
 
 def test_a_gloo_all_reduce_whose_peer_is_killed_says_it_lost_a_peer(tmp_path: Path) -> None:
@@ -91,7 +81,7 @@ def test_other_errors_are_not_a_lost_peer() -> None:
 
 
 def test_a_lost_peer_waits_for_the_rank_that_saw_why_and_follows_it() -> None:
-    runtime = drafter_runtime()
+    runtime = drafter_runtime(1, None)
 
     def target_lost_seen_by_drafter_1() -> None:
         time.sleep(0.3)
@@ -111,7 +101,7 @@ def test_a_lost_peer_waits_for_the_rank_that_saw_why_and_follows_it() -> None:
 
 def test_a_lost_peer_nobody_explains_is_recorded_but_writes_no_error_file(monkeypatch) -> None:
     monkeypatch.setattr(train_cmd, "FOLLOWER_EXIT_DELAY_S", 0.2)
-    runtime = drafter_runtime()
+    runtime = drafter_runtime(1, None)
     started = time.monotonic()
     first = _report_failure(runtime, RuntimeError("Connection closed by peer [127.0.0.1]:10443"))
     assert time.monotonic() - started >= 0.2  # it gave the rank that knows why its chance
@@ -121,7 +111,7 @@ def test_a_lost_peer_nobody_explains_is_recorded_but_writes_no_error_file(monkey
 
 
 def test_an_own_error_is_the_first_failure_at_once() -> None:
-    runtime = drafter_runtime()
+    runtime = drafter_runtime(1, None)
     started = time.monotonic()
     assert _report_failure(runtime, RuntimeError("CUDA out of memory")) is True
     assert time.monotonic() - started < 0.5

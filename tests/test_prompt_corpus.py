@@ -257,7 +257,9 @@ def test_a_corpus_is_staged_beside_its_files_and_written_with_a_plain_file_s_mod
     real_fsync, staged = os.fsync, []
 
     def note_the_staged_file(fd: int) -> None:
-        staged.append(os.readlink(f"/proc/self/fd/{fd}"))
+        inode = os.fstat(fd).st_ino  # which entry of the directory (or the directory itself) this is
+        entries = [str(path) for path in out.iterdir() if path.stat().st_ino == inode]
+        staged.append(entries[0] if entries else str(out) if out.stat().st_ino == inode else "elsewhere")
         real_fsync(fd)
 
     out = tmp_path / "new" / "corpus"  # its parent does not exist yet
