@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import statistics
+import subprocess
 import sys
 
 import pytest
@@ -132,6 +133,31 @@ def test_arms_come_from_objectives_then_arm_options_each_checked_as_the_config_l
     ]:
         with pytest.raises(UserError, match=re.escape(message)):
             _variants(config, [], objectives, arms)
+
+
+REFUSED_BEFORE_TORCH = """
+import sys
+from app.cli import main
+sys.argv = ["dflash", "bench", "quality", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as done:
+    print("exit", done.code, "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [["train.nope=1"], ["--arm", "lr3"], ["--objectives", "ce,bogus"], ["--seeds", "0,x"]],
+    ids=["override", "arm", "objective", "seeds"],
+)
+def test_a_bad_option_or_override_is_refused_in_one_line_before_torch_loads(tmp_path, arguments):
+    """Seconds, not the twenty torch and the model code take to import on a CPU."""
+    command = [sys.executable, "-c", REFUSED_BEFORE_TORCH, "configs/tiny.toml", "--workdir", str(tmp_path)]
+    done = subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "exit 2 False", done.stdout + done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("dflash: error: ")
+    assert not any(tmp_path.iterdir())  # nothing started
 
 
 def test_an_arm_s_eval_reads_the_eval_split_and_is_skipped_once_written(tmp_path):

@@ -226,7 +226,6 @@ def quality(
     from pathlib import Path
 
     from app.bench.quality import QualityPlan, run_quality
-    from app.bench.quality_report import format_table, write_report
 
     plan = QualityPlan(
         config_file=config,
@@ -241,6 +240,10 @@ def quality(
         jobs=jobs,
     )
     report = run_quality(plan, log=lambda line: print(line, flush=True))
+    # the table's module imports torch (through the eval's predictability): after the run, so that a bad
+    # option or override is refused at once rather than after the seconds torch takes to load
+    from app.bench.quality_report import format_table, write_report
+
     for line in format_table(report):
         print(line, flush=True)
     write_report(report, Path(out) if out else plan.workdir / "quality.json")
