@@ -57,7 +57,7 @@ def test_rows_refilled_over_a_ring_of_slots_give_each_prompt_its_own_greedy_deco
     ) and stats.steps % STOP_CHECK_EVERY == 0
     prompt_steps = sum(map(len, MORE[2:]))  # the refilled rows read their prompts one token per step
     assert stats.answer_tokens - 2 + prompt_steps <= stats.rows * stats.steps  # 2: chosen by the prefill
-    assert stats.fill == stats.answer_tokens / (stats.rows * stats.steps)
+    assert stats.prefill_tokens == 2 and stats.fill == (stats.answer_tokens - 2) / (stats.rows * stats.steps)
     assert (
         f"{stats.answer_tokens} answer tokens in" in stats.describe()
         and f"{stats.steps} steps of 2 rows" in stats.describe()

@@ -224,6 +224,9 @@ def test_decode_stats_figures():
     )
     assert DecodeStats(rows=2, answer_tokens=5, prefill_s=1, seconds=3).step_ms == 2000.0
     assert DecodeStats(rows=0, steps=3, answer_tokens=5).fill == 5.0
+    # every answer ended at its first token, which the prefill chose: no step, nothing filled (not 600%)
+    assert DecodeStats(rows=6, answer_tokens=6, prefill_tokens=6).fill == 0.0
+    assert DecodeStats(rows=2, steps=16, answer_tokens=18, prefill_tokens=2).fill == 0.5
 
 
 def test_cut_at_stop():

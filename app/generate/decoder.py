@@ -45,14 +45,16 @@ class DecodeStats:
     steps: int = 0
     """Decode steps after the prefill (each one token for every row)."""
     answer_tokens: int = 0
+    prefill_tokens: int = 0
+    """Answer tokens the prefill chose (the first rows' first tokens), no step's."""
     prefill_s: float = 0.0
     seconds: float = 0.0
     """Wall time of the whole stream, the prefill and the host's reads included."""
 
     @property
     def fill(self) -> float:
-        """Answer tokens per row-step: the rest went to reading prompts and to idle rows."""
-        return self.answer_tokens / max(self.rows * self.steps, 1)
+        """Answer tokens the steps chose per row-step: the rest went to reading prompts and to idle rows."""
+        return (self.answer_tokens - self.prefill_tokens) / max(self.rows * self.steps, 1)
 
     @property
     def step_ms(self) -> float:
@@ -145,6 +147,7 @@ class BatchDecoder:
         with packed_attention(self.model):
             last, steps = self._prefill(prompts, queue, held, generator)
             stats.prefill_s = stats.seconds = time.monotonic() - started
+            stats.prefill_tokens = sum(state is not None for state in held)
             for row, (state, token) in enumerate(zip(held, last.tolist(), strict=True)):
                 if state is not None and state.take(token, stops, limit):
                     held[row] = None
