@@ -71,7 +71,12 @@ def test_eleven_seeds_take_students_t_at_ten_degrees_not_the_normal_1_96():
 
 def test_the_eval_split_is_the_first_prompts_of_each_held_out_domain(tmp_path):
     quality = plan(tmp_path)
-    _build_prompts(quality, lambda line: None)
+    lines: list[str] = []
+    _build_prompts(quality, lines.append)
+    manifest = json.loads((tmp_path / "prompts" / "manifest.json").read_text())
+    assert (manifest["seed"], manifest["count"]) == (0, 1000)  # every benchmark holds out the same sources
+    counts = {split: manifest["counts"][split] for split in ("train", "heldout")}  # the file sorts its keys
+    assert lines == [f"bench quality: prompts: {json.dumps(counts)}"]
     held_out = [
         json.loads(line) for line in (tmp_path / "prompts" / "heldout.jsonl").read_text().splitlines()
     ]
@@ -80,6 +85,14 @@ def test_the_eval_split_is_the_first_prompts_of_each_held_out_domain(tmp_path):
         first = [record["id"] for record in held_out if record["domain"] == domain][:3]
         assert [record["id"] for record in chosen if record["domain"] == domain] == first
     assert len(chosen) == 9
+    # a rerun keeps the corpus it finds (its manifest says it is whole) and carves the eval split again
+    with (tmp_path / "prompts" / "train.jsonl").open("a") as train:
+        train.write('{"id": "kept"}\n')
+    (tmp_path / "prompts" / "eval.jsonl").unlink()
+    _build_prompts(quality, lines.append)
+    assert len(lines) == 1 and (tmp_path / "prompts" / "train.jsonl").read_text().endswith('{"id": "kept"}\n')
+    assert len((tmp_path / "prompts" / "eval.jsonl").read_text().splitlines()) == 9
+    assert "data.train_files=['%s']" % (tmp_path / "data" / "train") in quality.stage_overrides()
     assert "data.eval_files=['%s']" % (tmp_path / "data" / "eval") in quality.stage_overrides()
     assert load_config(quality.config_file, quality.stage_overrides()).compile.cold_start == "expected"
 
@@ -108,6 +121,7 @@ def test_a_trained_arm_is_not_trained_again_and_a_retrained_one_loses_its_stale_
     quality.eval_file(fresh).write_text("{}")  # an eval of an earlier, unfinished training
     command = _train_command(quality, fresh, lines.append)
     assert command is not None and not quality.eval_file(fresh).exists()
+    assert command[:2] == ["train", quality.config_file]
     assert {"train.objective=ce+tv", "train.seed=1", f"train.output_dir={tmp_path}/runs/ce+tv/seed1"} <= set(
         command
     )
@@ -162,7 +176,8 @@ def test_a_bad_option_or_override_is_refused_in_one_line_before_torch_loads(tmp_
 
 def test_an_arm_s_eval_reads_the_eval_split_and_is_skipped_once_written(tmp_path):
     quality = plan(tmp_path)
-    command = _eval_command(quality, ("ce", 1))
+    assert _eval_command(quality, ("ce", 0))[:2] == ["eval", str(tmp_path / "runs" / "ce" / "seed0")]
+    command = _eval_command(quality, ("ce", 1))  # its folder is there already: the seed before made it
     assert command[:2] == ["eval", str(tmp_path / "runs" / "ce" / "seed1")]
     assert f"--data={tmp_path}/prompts/eval.jsonl" in command and "--tree-budget=16,64" in command
     assert f"--json={tmp_path}/evals/ce/seed1.json" in command and "--prompts=3" in command
@@ -174,15 +189,24 @@ def test_children_run_several_at_once_labelled_and_a_failure_stops_the_stage_aft
     lines: list[str] = []
     config = ["config", "show", "configs/tiny.toml"]
     missing = ["config", "show", str(tmp_path / "missing.toml")]
-    children = [("good", config), ("skipped", None), ("bad", missing), ("late", config)]
-    with pytest.raises(
-        UserError, match=r"^bad: bench quality: `dflash config` exited 2 \(its output is above\)$"
-    ):
+    children = [("good", config), ("skipped", None), ("bad", missing), ("late", config), ("worse", missing)]
+    exited = "bench quality: `dflash config` exited 2 \\(its output is above\\)"
+    with pytest.raises(UserError, match=rf"^bad: {exited}; worse: {exited}$"):
         run_children(children, jobs=2, log=lines.append)
+    assert any(line.startswith("[bad] dflash: error: ") for line in lines)  # the child's stderr, relayed
     assert any(line.startswith("[good] bench quality: $ dflash config show") for line in lines)
     assert any(line.startswith("[late] ") and "block_size" in line for line in lines)  # ran after the failure
     assert any(line.startswith("[bad] ") and "missing.toml" in line for line in lines)  # its own error line
     assert not any("skipped" in line for line in lines)
+
+
+def test_one_child_at_a_time_is_relayed_as_it_prints_and_a_fresh_relay_has_no_stop(monkeypatch):
+    """With --jobs 1 no label: the lines are the child's own, trailing spaces and all."""
+    monkeypatch.setattr(quality, "DFLASH", [sys.executable, "-c", "print('spaces kept  '); print('ends in X')"])
+    lines: list[str] = []
+    run_children([("only", ["show"])], jobs=1, log=lines.append)
+    assert lines == ["bench quality: $ dflash show", "spaces kept  ", "ends in X"]
+    quality.StopRelay().check()  # no signal yet: nothing to stop for
 
 
 def seed_report(tau: float, tree: float, domains: dict[str, tuple[float, float]]) -> dict:
@@ -261,8 +285,16 @@ def test_the_eval_trajectory_pairs_each_eval_with_the_training_metric_logged_bef
     assert eval_trajectory(tmp_path) == [(1.0, 1.5), (1.4, 1.7)]
     assert eval_trajectory(tmp_path / "missing") == []
     with (tmp_path / "metrics.jsonl").open("a") as metrics:  # a last window too short for a tree round
-        metrics.write(json.dumps({"step": 210, "loss": 2.7, "streak": 0.8, "tree_streak": None}) + "\n")
-    assert last_training_line(tmp_path) == {"step": 210, "loss": 2.7, "streak": 0.8, "tree_streak": 1.4}
+        metrics.write(
+            json.dumps({"step": 210, "loss": 2.7, "acc": 0.4, "streak": 0.8, "tree_streak": None}) + "\n"
+        )
+    assert last_training_line(tmp_path) == {
+        "step": 210,
+        "loss": 2.7,
+        "acc": 0.4,
+        "streak": 0.8,
+        "tree_streak": 1.4,
+    }
 
 
 def test_a_stop_signal_reaches_the_live_children_which_finish_and_no_later_child_starts(monkeypatch):
