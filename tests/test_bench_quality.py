@@ -202,7 +202,9 @@ def test_children_run_several_at_once_labelled_and_a_failure_stops_the_stage_aft
 
 def test_one_child_at_a_time_is_relayed_as_it_prints_and_a_fresh_relay_has_no_stop(monkeypatch):
     """With --jobs 1 no label: the lines are the child's own, trailing spaces and all."""
-    monkeypatch.setattr(quality, "DFLASH", [sys.executable, "-c", "print('spaces kept  '); print('ends in X')"])
+    monkeypatch.setattr(
+        quality, "DFLASH", [sys.executable, "-c", "print('spaces kept  '); print('ends in X')"]
+    )
     lines: list[str] = []
     run_children([("only", ["show"])], jobs=1, log=lines.append)
     assert lines == ["bench quality: $ dflash show", "spaces kept  ", "ends in X"]
