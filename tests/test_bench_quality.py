@@ -40,6 +40,7 @@ from app.bench.quality_report import (
 from app.cli.bench_cmd import _variants
 from app.config import load_config
 from app.errors import UserError
+from tests.helpers import ROOT
 
 
 def plan(tmp_path, **fields) -> QualityPlan:
@@ -168,7 +169,7 @@ except SystemExit as done:
 def test_a_bad_option_or_override_is_refused_in_one_line_before_torch_loads(tmp_path, arguments):
     """Seconds, not the twenty torch and the model code take to import on a CPU."""
     command = [sys.executable, "-c", REFUSED_BEFORE_TORCH, "configs/tiny.toml", "--workdir", str(tmp_path)]
-    done = subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.stdout.strip() == "exit 2 False", done.stdout + done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("dflash: error: ")
     assert not any(tmp_path.iterdir())  # nothing started
