@@ -6,13 +6,16 @@ tests/test_bench_quality.py (a second whole run would add most of this test's mi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import shutil
 
 import pytest
 import yaml
 
 from app.bench.quality import QualityPlan, run_quality
+from app.errors import UserError
 from tests.helpers import random_target_config
 
 DOMAINS = ("code", "math", "prose")
@@ -74,6 +77,7 @@ def test_a_whole_benchmark_runs_each_stage_in_a_child_and_reports_what_each_run_
     report = run_quality(plan, lines.append)
 
     stages = ["prompts", "data", "train", "eval"]
+    assert not [line for line in lines if "configured servers" in line]  # the override made it local
     assert [line for line in lines if re.fullmatch(r"bench quality: \w+ \.\.\.", line)] == [
         f"bench quality: {stage} ..." for stage in stages
     ]
@@ -103,3 +107,32 @@ def test_a_whole_benchmark_runs_each_stage_in_a_child_and_reports_what_each_run_
     ((streak, tree_tau),) = report.evals["base"][3]  # eval_every=2 over 2 steps: one periodic eval
     assert streak >= 0 and tree_tau >= 1
     assert set(report.results) == set(report.training) == set(report.evals) == {"base"}
+
+    # a rerun finds every stage done: each split's datagen resumes to nothing, the arm is trained and
+    # evaluated, and the report is gathered again from the same files
+    again: list[str] = []
+    assert run_quality(plan, again.append).results == report.results
+    assert [command[0] for command in commands(again)] == ["datagen", "datagen"]
+    assert f"bench quality: base seed 3: {plan.run_dir(arm)} is trained" in again
+
+
+def test_a_benchmark_whose_datagen_goes_through_servers_says_so_then_builds_its_corpus(staged_plan):
+    """The recipe's own engine (servers, tiny.toml's default) over a target that is not built in: the
+    first line says where the answers come from. No prompts are staged: the corpus is written and its
+    counts logged. The training split's output folder is a file, so the first datagen child refuses at
+    once and the benchmark stops there."""
+    plan = dataclasses.replace(staged_plan, overrides=[o for o in SMALLEST if not o.startswith("datagen.")])
+    shutil.rmtree(plan.prompts_dir)
+    plan.data_dir("train").parent.mkdir(parents=True)
+    plan.data_dir("train").write_text("not a folder")
+    lines: list[str] = []
+    with pytest.raises(UserError, match="`dflash datagen` exited 2"):
+        run_quality(plan, lines.append)
+    assert lines[0] == "bench quality: datagen goes through the configured servers (datagen.engine = servers)"
+    manifest = json.loads((plan.prompts_dir / "manifest.json").read_text())
+    counts = [
+        json.loads(line.split(": ", 2)[2]) for line in lines if line.startswith("bench quality: prompts: ")
+    ]
+    assert counts == [manifest["counts"]]
+    assert (plan.prompts_dir / "eval.jsonl").is_file()
+    assert "datagen.output_dir: cannot create" in lines[-1]  # the child's own refusal, relayed
