@@ -138,9 +138,10 @@ def mutmut_command() -> str:
     return str(Path(sys.executable).parent / "mutmut")
 
 
-def mutant_changes(module: str) -> dict[str, str]:
+def mutant_changes(module: str, only: Iterable[str] | None = None) -> dict[str, str]:
     """mutant name -> its change as one markdown table cell, from mutmut's own mutation of the module's
-    current source (the names and changes a run gets)."""
+    current source (the names and changes a run gets). `only`: just these names, where they exist
+    (reading each change back costs more than mutating the file, for a few names out of hundreds)."""
     import libcst
     from mutmut.mutation.diff_apply import read_mutant_function, read_original_function
     from mutmut.mutation.file_mutation import mutate_file_contents
@@ -148,9 +149,12 @@ def mutant_changes(module: str) -> dict[str, str]:
     path = module.replace(".", "/") + ".py"
     mutated = mutate_file_contents(path, (ROOT / path).read_text())
     tree = libcst.parse_module(mutated.code)  # once: mutmut's own diff parses the whole file per mutant
+    wanted = None if only is None else set(only)
     changes = {}
     for short_name in mutated.mutant_names:
         name = f"{module}.{short_name}"
+        if wanted is not None and name not in wanted:
+            continue
         original, mutant = (
             libcst.Module([read(tree, name)]).code.strip().split("\n")
             for read in (read_original_function, read_mutant_function)
@@ -192,7 +196,7 @@ def check_equivalents(equivalents: list[Equivalent]) -> list[str]:
         if not (ROOT / (module.replace(".", "/") + ".py")).is_file():
             stale += [f"{entry.name}: its module {module} is gone" for entry in entries]
             continue
-        changes = mutant_changes(module)
+        changes = mutant_changes(module, [entry.name for entry in entries])
         for entry in entries:
             if entry.name not in changes:
                 stale.append(f"{entry.name}: no such mutant now")
@@ -251,7 +255,7 @@ def report(modules: list[str], statuses: dict[str, str], minutes: float) -> None
             print(
                 f"  {function}: its {count} mutants are not reached by the tests (none calls it in-process)"
             )
-        changes = mutant_changes(module) if survivors else {}
+        changes = mutant_changes(module, survivors) if survivors else {}
         for name in survivors:
             if mine[name] != "no tests":
                 print(f"  {name} ({mine[name]}): {changes[name]}")
