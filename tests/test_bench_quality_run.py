@@ -1,8 +1,8 @@
 """A whole `dflash bench quality` on the CPU: every stage in a real `dflash` child (datagen, train, eval)
 over a seeded random-weight target, one arm and one seed at the smallest shapes. The drafter learns
 nothing in two steps; what is checked is the driver: the stages' order and commands, what the report
-gathers from each run, and where it keeps them. What a rerun skips is tested a stage at a time in
-tests/test_bench_quality.py (a second whole run would add most of this test's minute and a half again)."""
+gathers from each run, and where it keeps them; then a rerun, which finds every stage done (what a rerun
+skips is tested a stage at a time in tests/test_bench_quality.py)."""
 
 from __future__ import annotations
 
